@@ -1,0 +1,359 @@
+#!/usr/bin/env python
+"""Who am I? Facts about this process, read from whatever launched it.
+
+    import idr_torch
+    idr_torch.rank, idr_torch.size, idr_torch.local_rank, idr_torch.hostnames, idr_torch.cpus_per_task
+    idr_torch.export_env()        # MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK for init_method="env://"
+
+    python idr_torch.py           # one-screen summary of this process (under srun: one per task)
+
+Three launchers are recognised, in this order:
+  torchrun  TORCHELASTIC_RUN_ID, or RANK/WORLD_SIZE/LOCAL_RANK outside a Slurm task
+  slurm     a task started by srun (SLURM_PROCID inside a job step)
+  python    anything else, including a batch script that forgot srun: rank 0 of 1
+
+The names are the page's (hostnames, size, rank, local_rank, cpus_per_task) plus a few more.
+This module never imports torch: the pre-flight checker uses it before any GPU hour is spent.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from functools import cached_property
+from typing import Mapping
+
+import hostlist
+
+__all__ = ["Launch", "LaunchError", "current", "export_env", "parse_tasks_per_node", "expand_nodelist"]
+
+
+class LaunchError(ValueError):
+    """A launcher variable is missing or malformed; the message names it, its value and the fix."""
+
+
+def expand_nodelist(value: str, variable: str = "nodelist") -> list[str]:
+    """Expand a Slurm hostlist ('r7i[0-2,5],r8i1', 'n[001-010]', 'a[1-2]b[3-4]') into host names."""
+    try:
+        hosts = hostlist.expand_hostlist(value)
+    except hostlist.BadHostlist as exc:
+        raise LaunchError(f"{variable}={value!r} is not a valid Slurm hostlist ({exc}); "
+                          "expected something like 'node[1-3],gpu7'") from None
+    if not hosts or any(not h or any(c in h for c in "[]{},() \t") for h in hosts):
+        raise LaunchError(f"{variable}={value!r} is not a valid Slurm hostlist; "
+                          "expected something like 'node[1-3],gpu7'")
+    return hosts
+
+
+def parse_tasks_per_node(value: str, variable: str = "tasks per node") -> list[int]:
+    """Expand Slurm's tasks-per-node string ('2(x3)', '2(x2),1', '4,2(x2)') into one count per node."""
+    try:
+        counts = hostlist.parse_slurm_tasks_per_node(value.strip())
+    except hostlist.BadHostlist as exc:
+        raise LaunchError(f"{variable}={value!r} is not a Slurm tasks-per-node list ({exc}); "
+                          "expected counts like '2(x3)' or '2(x2),1'") from None
+    # python-hostlist accepts '0' and '2(x0)'; Slurm never writes them and they would mean a node with no task.
+    if not counts or min(counts) < 1 or any(p.strip().endswith("(x0)") for p in value.split(",")):
+        raise LaunchError(f"{variable}={value!r} lists a node with no task or no node at all; "
+                          "expected positive counts like '2(x3)' or '2(x2),1'")
+    return counts
+
+
+class Launch:
+    """The launch facts of one process, computed from an environment mapping (os.environ by default)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.env = dict(os.environ if environ is None else environ)
+        self.launcher = self._detect()
+        self._check()
+
+    # ---- small helpers over the environment ------------------------------------------------------------
+    def _get(self, *names: str) -> tuple[str, str] | tuple[None, None]:
+        """First of `names` that is set and non-empty, as (name, value)."""
+        for name in names:
+            value = self.env.get(name, "").strip()
+            if value:
+                return name, value
+        return None, None
+
+    def _int(self, *names: str, default: int | None = None, minimum: int = 0) -> int:
+        name, value = self._get(*names)
+        if name is None:
+            if default is not None:
+                return default
+            raise LaunchError(f"{' / '.join(names)} is not set, but the {self.launcher} launcher needs it; "
+                              "start one process per task with srun or torchrun, or unset the other variables")
+        try:
+            number = int(value)
+        except ValueError:
+            raise LaunchError(f"{name}={value!r} is not an integer; fix or unset it") from None
+        if number < minimum:
+            raise LaunchError(f"{name}={value!r} must be >= {minimum}; fix or unset it")
+        return number
+
+    def _detect(self) -> str:
+        env = self.env
+        if env.get("TORCHELASTIC_RUN_ID"):
+            return "torchrun"
+        in_step = bool(env.get("SLURM_PROCID")) and bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
+        if in_step and env.get("SLURM_STEP_ID", env.get("SLURM_STEPID")) not in ("batch", "extern", "interactive"):
+            return "slurm"
+        if all(env.get(v) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+            return "torchrun"
+        return "python"
+
+    def _check(self) -> None:
+        """Read every fact once so a bad variable fails here, with its name, not at first use."""
+        for attr in ("size", "rank", "local_rank", "tasks_per_node", "node_id", "hostnames"):
+            getattr(self, attr)
+        if self.node_id >= self.num_nodes:
+            node_var = {"slurm": "SLURM_NODEID", "torchrun": "GROUP_RANK"}.get(self.launcher, "node id")
+            raise LaunchError(f"{node_var}={self.node_id} is not below the {self.num_nodes} node(s) of the step "
+                              f"({self._tasks_var}={self.env.get(self._tasks_var or '', '')!r})")
+        if self.rank >= self.size:
+            raise LaunchError(f"rank {self.rank} (from {self._rank_var}) is not below the world size {self.size}; "
+                              "the launcher's variables disagree: start the job with srun or torchrun")
+        if self.local_rank >= self.local_world_size:
+            raise LaunchError(f"local rank {self.local_rank} is not below the {self.local_world_size} task(s) on "
+                              f"node {self.node_id} ({self._tasks_var}={self.env.get(self._tasks_var or '', '')!r})")
+        if sum(self.tasks_per_node) != self.size:
+            raise LaunchError(f"{self._tasks_var}={self.env.get(self._tasks_var or '', '')!r} adds up to "
+                              f"{sum(self.tasks_per_node)} tasks but the world size is {self.size}")
+
+    @property
+    def _rank_var(self) -> str:
+        return {"slurm": "SLURM_PROCID", "torchrun": "RANK"}.get(self.launcher, "default")
+
+    # ---- the page's names ------------------------------------------------------------------------------
+    @cached_property
+    def rank(self) -> int:
+        """Global rank: SLURM_PROCID under srun, RANK under torchrun."""
+        if self.launcher == "slurm":
+            return self._int("SLURM_PROCID")
+        if self.launcher == "torchrun":
+            return self._int("RANK")
+        return 0
+
+    @cached_property
+    def size(self) -> int:
+        """Number of processes (the page's `size`, torch's world size)."""
+        if self.launcher == "slurm":
+            return self._int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", minimum=1)
+        if self.launcher == "torchrun":
+            return self._int("WORLD_SIZE", minimum=1)
+        return 1
+
+    @property
+    def world_size(self) -> int:
+        return self.size
+
+    @cached_property
+    def local_rank(self) -> int:
+        """Rank among the tasks of this node: it picks the task's GPUs."""
+        if self.launcher == "slurm":
+            return self._int("SLURM_LOCALID")
+        if self.launcher == "torchrun":
+            return self._int("LOCAL_RANK")
+        return 0
+
+    @cached_property
+    def _tasks(self) -> tuple[str | None, list[int]]:
+        if self.launcher == "slurm":
+            name, value = self._get("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+            if name is None:
+                # Only --ntasks-per-node sets SLURM_NTASKS_PER_NODE; the lists above are always set by srun.
+                per_node = self._int("SLURM_NTASKS_PER_NODE", minimum=1)
+                return "SLURM_NTASKS_PER_NODE", [per_node] * max(1, self.size // per_node)
+            return name, parse_tasks_per_node(value, name)
+        if self.launcher == "torchrun":
+            per_node = self._int("LOCAL_WORLD_SIZE", default=self.size, minimum=1)
+            if self.size % per_node:
+                raise LaunchError(f"WORLD_SIZE={self.size} is not a multiple of LOCAL_WORLD_SIZE={per_node}")
+            return "LOCAL_WORLD_SIZE", [per_node] * (self.size // per_node)
+        return None, [1]
+
+    @property
+    def _tasks_var(self) -> str | None:
+        return self._tasks[0]
+
+    @property
+    def tasks_per_node(self) -> list[int]:
+        """Tasks on each node of the step, in node order (uneven counts such as 2(x2),1 are kept)."""
+        return list(self._tasks[1])
+
+    @cached_property
+    def node_id(self) -> int:
+        """Index of this node in the step (SLURM_NODEID, torchrun's GROUP_RANK)."""
+        if self.launcher == "slurm":
+            return self._int("SLURM_NODEID")
+        if self.launcher == "torchrun":
+            return self._int("GROUP_RANK", default=self.rank // self.tasks_per_node[0])
+        return 0
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tasks_per_node)
+
+    @property
+    def local_world_size(self) -> int:
+        """Tasks on *this* node (SLURM_NTASKS_PER_NODE only exists with --ntasks-per-node; this always does)."""
+        return self.tasks_per_node[self.node_id]
+
+    @property
+    def ntasks_per_node(self) -> int:
+        return self.local_world_size
+
+    @cached_property
+    def nodelist(self) -> str:
+        """The step's nodes as Slurm writes them ('r7i[0-2,5],r8i1'); this host's name outside Slurm."""
+        name, value = self._get("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        if name is not None and self.launcher != "python":
+            return value
+        if self.launcher == "slurm":
+            raise LaunchError("SLURM_STEP_NODELIST / SLURM_JOB_NODELIST is not set in this srun task; "
+                              "srun always sets them: start the task with srun, not by copying its variables")
+        return socket.gethostname()
+
+    @cached_property
+    def hostnames(self) -> list[str]:
+        """The nodes of the step, expanded and in Slurm's order (rank 0 runs on the first)."""
+        name, _ = self._get("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        hosts = expand_nodelist(self.nodelist, name or "hostname")
+        if self.launcher == "slurm" and len(hosts) != self.num_nodes:
+            raise LaunchError(f"{name}={self.nodelist!r} names {len(hosts)} node(s) but "
+                              f"{self._tasks_var} describes {self.num_nodes}")
+        return hosts
+
+    @cached_property
+    def cpus_per_task(self) -> int:
+        """SLURM_CPUS_PER_TASK, else the CPUs this process may run on (its affinity)."""
+        if self.env.get("SLURM_CPUS_PER_TASK", "").strip():
+            return self._int("SLURM_CPUS_PER_TASK", minimum=1)
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # macOS has no affinity
+            return os.cpu_count() or 1
+
+    @cached_property
+    def gpu_ids(self) -> list[str]:
+        """GPUs given to this step on this node (SLURM_STEP_GPUS), else CUDA_VISIBLE_DEVICES; [] when none."""
+        name, value = self._get("SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")
+        if name is None or value in ("-1", "NoDevFiles"):
+            return []
+        return [g.strip() for g in value.split(",") if g.strip()]
+
+    @cached_property
+    def job_id(self) -> str | None:
+        return self._get("SLURM_JOB_ID", "SLURM_JOBID")[1]
+
+    @cached_property
+    def step_id(self) -> int:
+        _, value = self._get("SLURM_STEP_ID", "SLURM_STEPID")
+        return int(value) if value and value.isdigit() else 0
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @cached_property
+    def master_addr(self) -> str:
+        """MASTER_ADDR if someone set it, else the first host of the step (where rank 0 runs)."""
+        set_by = self.env.get("MASTER_ADDR", "").strip()
+        if set_by:
+            return set_by
+        if self.launcher == "python":
+            return "127.0.0.1"
+        return self.hostnames[0]
+
+    @cached_property
+    def master_port(self) -> int:
+        """MASTER_PORT if someone set it, else a port every task derives alone from the job and step ids.
+
+        Derived ports stay in 10000..29999, below Linux's ephemeral range (32768+) so an outgoing
+        connection never holds them; the step id keeps two steps of one job on one node apart.
+        """
+        if self.env.get("MASTER_PORT", "").strip():
+            port = self._int("MASTER_PORT", minimum=1)
+            if port > 65535:
+                raise LaunchError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+            return port
+        if self.job_id and self.job_id.isdigit():
+            return 10000 + (int(self.job_id) % 4000) * 5 + self.step_id % 5
+        if self.launcher == "python":  # one process: any free port will do
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+        raise LaunchError(f"MASTER_PORT is not set and there is no numeric SLURM_JOB_ID to derive it from "
+                          f"(SLURM_JOB_ID={self.job_id!r}); export MASTER_PORT=<free port> before launching")
+
+    # ---- what init_process_group(init_method="env://") reads ------------------------------------------
+    def export_env(self) -> dict[str, str]:
+        """Export MASTER_ADDR/PORT (never overwriting ones already set), RANK, WORLD_SIZE, LOCAL_RANK,
+        LOCAL_WORLD_SIZE into os.environ, and return what was exported."""
+        exported = {
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+        }
+        os.environ.update(exported)
+        self.env.update(exported)
+        return exported
+
+    def summary(self) -> str:
+        lines = [
+            f"launcher      {self.launcher}" + (f" (job {self.job_id}, step {self.step_id})" if self.job_id else ""),
+            f"rank / size   {self.rank} / {self.size}   (local rank {self.local_rank})",
+            f"node          {self.node_id} of {self.num_nodes}: {socket.gethostname()}",
+            f"hosts         {self.nodelist} -> {', '.join(self.hostnames[:8])}"
+            + (f", ... ({len(self.hostnames)})" if len(self.hostnames) > 8 else ""),
+            f"tasks / node  {self.local_world_size} here; per node {self.tasks_per_node}",
+            f"GPUs          {','.join(self.gpu_ids) or 'none'}"
+            + f"   (CUDA_VISIBLE_DEVICES={self.env.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+            f"CPUs / task   {self.cpus_per_task}",
+            f"master        {self.master_addr}:{self.master_port}",
+        ]
+        return "\n".join(lines)
+
+
+# ---- module-level names, as in IDRIS's idr_torch: `idr_torch.rank` ------------------------------------------
+_current: Launch | None = None
+_current_key: tuple | None = None
+_said_plain = False
+
+
+def current() -> Launch:
+    """The Launch of this process, recomputed when the environment changed (tests, export_env)."""
+    global _current, _current_key, _said_plain
+    key = tuple(sorted(os.environ.items()))
+    if _current is None or key != _current_key:
+        _current, _current_key = Launch(), key
+        if _current.launcher == "python" and not _said_plain:
+            _said_plain = True
+            where = f" inside Slurm job {_current.job_id} (no srun)" if _current.job_id else ""
+            print(f"idr_torch: no srun or torchrun launcher found{where}: running as rank 0 of 1", file=sys.stderr)
+    return _current
+
+
+def export_env() -> dict[str, str]:
+    """Export what init_process_group(init_method='env://') needs; see Launch.export_env."""
+    return current().export_env()
+
+
+def __getattr__(name: str):
+    if name.startswith("_") or not hasattr(Launch, name):
+        raise AttributeError(f"module 'idr_torch' has no attribute {name!r}")
+    return getattr(current(), name)
+
+
+if __name__ == "__main__":
+    try:
+        launch = current()
+        text = launch.summary()
+    except LaunchError as exc:
+        print(f"idr_torch: {exc}", file=sys.stderr)
+        sys.exit(2)
+    # One write per task so srun's merged output keeps each summary in one piece.
+    sys.stdout.write(f"---- task {launch.rank} of {launch.size} ----\n{text}\n")
