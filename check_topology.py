@@ -1,0 +1,1060 @@
+#!/usr/bin/env python
+"""Pre-flight check of a hybrid pipeline + data parallel job, and the plan the trainer runs.
+
+    python check_topology.py slurm/page_3nodes_4gpus.slurm        # before sbatch: #SBATCH header + srun line
+    python check_topology.py --nodes 3 --gpus-per-node 4 --ntasks-per-node 2 --nlayers 8    # planning
+    python check_topology.py --nlayers 8 --chunks 4                # in a batch script: the allocation itself
+    srun python check_topology.py --nlayers 8 --chunks 4           # every task checks what it really sees
+
+Layout of the page: one task per model replica; nb_part = GPUs per node // tasks per node; task `local_rank`
+owns GPUs first_part = local_rank * nb_part ... last_part = first_part + nb_part - 1. When Slurm binds GPUs per
+task (--gpus-per-task, --gpu-bind) a task sees only its own GPUs, so its plan starts at visible GPU 0.
+Layers: a balanced contiguous split, the page's own split whenever nlayers % nb_part == 0; Encoder on the first
+part, Decoder on the last.
+
+Exit status: 0 clean (warnings allowed), 1 errors found, 2 usage error or unreadable file.
+bench_ddp_transformer.py builds its model from plan_task() below, so what this approves is what runs.
+No torch import here: checking a file must stay well under a second on a login node.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import idr_torch
+
+# The trainer's defaults live here so the checker (which must not import torch) judges exactly what runs.
+# GPU: big enough that the page's reason for model parallelism (activations of a deep model) holds.
+GPU_DEFAULTS = dict(nlayers=16, d_model=1024, n_head=16, d_hid=4096, seq_len=256, vocab_size=30000,
+                    chunks=4, batch_size=64)
+# CPU (CI, laptops): small enough for a 2-core machine to learn the synthetic task in well under a minute.
+CPU_DEFAULTS = dict(nlayers=4, d_model=64, n_head=4, d_hid=128, seq_len=64, vocab_size=2000,
+                    chunks=2, batch_size=32)
+CPU_NB_PART = 2  # no GPU: still split in two so the pipeline is exercised
+ENGINES = ("auto", "torch-pipe", "fairscale")
+
+# Jean Zay's GPU nodes, by partition and by constraint (-C): GPUs and cores per node. Memory is granted per
+# reserved core there, so --cpus-per-task also sizes the task's host memory.
+NODE_TYPES = {
+    "v100-4": dict(gpus=4, cores=40, label="4-GPU V100 nodes (gpu_p13, 10 cores per GPU)"),
+    "v100-8": dict(gpus=8, cores=24, label="8-GPU V100 nodes (gpu_p2, 3 cores per GPU)"),
+    "a100": dict(gpus=8, cores=64, label="8-GPU A100 nodes (-C a100, 8 cores per GPU)"),
+    "h100": dict(gpus=4, cores=96, label="4-GPU H100 nodes (-C h100, 24 cores per GPU)"),
+}
+PARTITION_TYPES = {"gpu_p13": "v100-4", "gpu_p1": "v100-4", "gpu_p3": "v100-4", "gpu_p2": "v100-8",
+                   "gpu_p2s": "v100-8", "gpu_p2l": "v100-8", "gpu_p5": "a100", "gpu_p6": "h100"}
+CONSTRAINT_TYPES = {"a100": "a100", "h100": "h100"}
+
+
+class UsageError(Exception):
+    """Bad command line or unreadable file: exit 2."""
+
+
+# ---- findings -----------------------------------------------------------------------------------------------
+@dataclass
+class Finding:
+    level: str  # "error" or "warning"
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level.upper():7s} {self.code}: {self.message}"
+
+
+class Findings(list):
+    def error(self, code: str, message: str) -> None:
+        self.append(Finding("error", code, message))
+
+    def warn(self, code: str, message: str) -> None:
+        self.append(Finding("warning", code, message))
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self if f.level == "error"]
+
+
+def _choices(values: Iterable[int]) -> str:
+    values = sorted(set(values))
+    return ", ".join(map(str, values[:-1])) + (" or " if len(values) > 1 else "") + str(values[-1])
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---- the layer split ----------------------------------------------------------------------------------------
+def part_sizes(nlayers: int, nb_part: int) -> list[int]:
+    """Layers per part: balanced, the extra ones on the *last* parts (part 0 already holds the Encoder's
+    embedding table, the largest single tensor of the model)."""
+    if nb_part < 1 or nlayers < 0:
+        raise ValueError(f"need nb_part >= 1 and nlayers >= 0, got nb_part={nb_part}, nlayers={nlayers}")
+    base, extra = divmod(nlayers, nb_part)
+    return [base + (1 if p >= nb_part - extra else 0) for p in range(nb_part)]
+
+
+def split_layers(nlayers: int, nb_part: int) -> list[int]:
+    """The part (0 .. nb_part-1) of each of the `nlayers` Layer blocks: contiguous, every layer once.
+
+    Identical to the page's loop whenever nlayers % nb_part == 0. With nlayers < nb_part some parts get no
+    Layer (only the Encoder or Decoder, or nothing): defined, but warned about, and the checker makes it an error.
+    """
+    sizes = part_sizes(nlayers, nb_part)
+    if nlayers < nb_part:
+        warnings.warn(f"nlayers ({nlayers}) < nb_part ({nb_part}): {nb_part - nlayers} part(s) get no Layer block",
+                      stacklevel=2)
+    return [p for p, n in enumerate(sizes) for _ in range(n)]
+
+
+def part_contents(nlayers: int, nb_part: int) -> list[str]:
+    """What each part holds, for tables: 'Encoder + Layer 0-3', 'Layer 4-7 + Decoder'."""
+    sizes, start, out = part_sizes(nlayers, nb_part), 0, []
+    for p, n in enumerate(sizes):
+        items = ["Encoder"] if p == 0 else []
+        if n:
+            items.append(f"Layer {start}" if n == 1 else f"Layer {start}-{start + n - 1}")
+        if p == nb_part - 1:
+            items.append("Decoder")
+        out.append(" + ".join(items) or "(nothing)")
+        start += n
+    return out
+
+
+# ---- this task's GPUs ---------------------------------------------------------------------------------------
+@dataclass
+class TaskPlan:
+    """Where one task (one model replica) puts its parts."""
+    rank: int
+    node: int
+    local_rank: int
+    tasks_on_node: int
+    nb_part: int
+    devices: list[int]  # index passed to .to(cuda:i) for each part: first_part .. last_part (empty on CPU)
+    gpu_ids: list[str]  # the node's GPU ids behind those indices (what nvidia-smi calls them)
+    bound: bool  # Slurm showed this task only its own GPUs
+    nlayers: int
+    cpu: bool = False
+
+    @property
+    def first_part(self) -> int:
+        return self.devices[0] if self.devices else 0
+
+    @property
+    def last_part(self) -> int:
+        return self.devices[-1] if self.devices else 0
+
+    def device(self, part: int) -> str:
+        return "cpu" if self.cpu else f"cuda:{self.devices[part]}"
+
+    @property
+    def layer_part(self) -> list[int]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return split_layers(self.nlayers, self.nb_part)
+
+    @property
+    def contents(self) -> list[str]:
+        return part_contents(self.nlayers, self.nb_part) if self.nb_part else []
+
+
+def page_indexing(local_rank: int, tasks_on_node: int, visible: int) -> tuple[int, int, int]:
+    """What the page's own code computes: (nb_part, first_part, last_part) from device_count() // tasks."""
+    nb_part = visible // tasks_on_node
+    first = local_rank * nb_part
+    return nb_part, first, first + nb_part - 1
+
+
+def plan_task(rank: int, node: int, local_rank: int, tasks_on_node: int, visible: Sequence[str],
+              gpus_on_node: int | None, nlayers: int, nb_part: int | None = None,
+              findings: Findings | None = None) -> TaskPlan:
+    """Plan one task from what it sees.
+
+    visible      the GPU ids this process can use, in CUDA order (CUDA_VISIBLE_DEVICES); [] means CPU only
+    gpus_on_node GPUs Slurm gave the step on this node (SLURM_GPUS_ON_NODE); None when unknown (torchrun):
+                 when it exceeds what the task sees, Slurm bound GPUs per task and the plan starts at index 0.
+    nb_part      an explicit --nb-part, else derived as on the page.
+    """
+    findings = Findings() if findings is None else findings
+    where = f"task {rank} (node {node}, local rank {local_rank})"
+    if not visible:
+        n = nb_part or CPU_NB_PART
+        return TaskPlan(rank, node, local_rank, tasks_on_node, n, [], [], False, nlayers, cpu=True)
+    bound = gpus_on_node is not None and len(visible) < gpus_on_node
+    if bound:
+        n = nb_part or len(visible)
+        first = 0
+    else:
+        n = nb_part or len(visible) // tasks_on_node
+        first = local_rank * n
+    if n < 1:
+        findings.error("more-tasks-than-gpus",
+                       f"{where}: {tasks_on_node} tasks share {len(visible)} visible GPU(s): nb_part = "
+                       f"{len(visible)} // {tasks_on_node} = 0; use --ntasks-per-node <= {len(visible)}")
+        return TaskPlan(rank, node, local_rank, tasks_on_node, 0, [], [], bound, nlayers)
+    devices = list(range(first, first + n))
+    if devices[-1] >= len(visible):
+        findings.error("gpu-index-past-visible",
+                       f"{where} would use GPU index {devices[-1]} but sees only {len(visible)} GPU(s) "
+                       f"(CUDA_VISIBLE_DEVICES={','.join(visible)}); "
+                       + (f"with per-task binding use --nb-part <= {len(visible)}" if bound
+                          else f"use --nb-part <= {len(visible) // tasks_on_node}"))
+        devices = [d for d in devices if d < len(visible)]
+    return TaskPlan(rank, node, local_rank, tasks_on_node, n, devices, [visible[d] for d in devices], bound,
+                    nlayers)
+
+
+# ---- the job: what it asks for --------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """A Slurm request (from #SBATCH lines, command-line flags, or an allocation's SLURM_* variables)."""
+    nodes: int | None = None
+    ntasks: int | None = None
+    ntasks_per_node: int | None = None
+    tasks_per_node: list[int] | None = None  # known per node only inside an allocation
+    gpus_per_node: int | None = None
+    gpus_per_task: int | None = None
+    gpus_total: int | None = None
+    gpu_bind: str | None = None
+    cpus_per_task: int | None = None
+    hint: str | None = None
+    constraint: str | None = None
+    partition: str | None = None
+    time: str | None = None
+    torch_module: str | None = None  # `module load pytorch-gpu/py3/<version>`
+    source: str = "command line"
+
+
+@dataclass
+class Training:
+    nlayers: int | None = None
+    chunks: int | None = None
+    batch_size: int | None = None
+    engine: str = "auto"
+    nb_part: int | None = None
+    unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
+
+
+def node_type(job: Job) -> str | None:
+    for c in re.split(r"[&|,\[\]*]", job.constraint or ""):
+        if c.strip().lower() in CONSTRAINT_TYPES:
+            return CONSTRAINT_TYPES[c.strip().lower()]
+    if job.partition in PARTITION_TYPES:
+        return PARTITION_TYPES[job.partition]
+    if job.partition is None and (job.constraint or "").lower().startswith("v100"):
+        return "v100-4"  # -C v100-16g / v100-32g select the default partition's 4-GPU nodes
+    return None  # unknown nodes: their sizes are not checked
+
+
+def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
+             findings: Findings) -> list[str]:
+    """The GPU ids one task sees, as Slurm shows them (seen on the test cluster): all of the node's without
+    binding; its own share with --gpus-per-task; the mapped ones with --gpu-bind=map_gpu."""
+    everything = [str(i) for i in range(gpus_on_node)]
+    bind = re.sub(r"^verbose,", "", (job.gpu_bind or "").lower())
+    if bind.startswith("map_gpu:"):
+        ids = [x for x in bind.split(":", 1)[1].split(",") if x]
+        entry = ids[local_rank % len(ids)]
+        return [entry.split("*")[0]]
+    if bind.startswith("per_task:"):
+        n = int(bind.split(":", 1)[1])
+        return everything[local_rank * n:(local_rank + 1) * n]
+    if bind in ("", "none") and job.gpus_per_task and bind != "none":
+        g = job.gpus_per_task
+        return everything[local_rank * g:(local_rank + 1) * g]
+    return everything
+
+
+def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
+    """Tasks on each node, as Slurm will place them, with findings for requests that make it uneven."""
+    if job.tasks_per_node:
+        return list(job.tasks_per_node)
+    nodes = job.nodes
+    if nodes is None:
+        if job.ntasks and job.ntasks_per_node and job.ntasks % job.ntasks_per_node == 0:
+            nodes = job.ntasks // job.ntasks_per_node
+        else:
+            findings.warn("nodes-missing", "--nodes is not given: Slurm picks the node count; assuming 1 node; "
+                          "add --nodes=N")
+            nodes = 1
+    if job.ntasks_per_node:
+        tpn = job.ntasks_per_node
+        if job.ntasks is not None and job.ntasks != nodes * tpn:
+            if job.ntasks > nodes * tpn:
+                findings.error("ntasks-mismatch",
+                               f"--ntasks={job.ntasks} exceeds --nodes={nodes} x --ntasks-per-node={tpn} = "
+                               f"{nodes * tpn}; set --ntasks={nodes * tpn} or drop --ntasks")
+                return [tpn] * nodes
+            placed = [max(1, min(tpn, job.ntasks - sum([tpn] * i))) for i in range(nodes)]
+            findings.error("ntasks-mismatch",
+                           f"--ntasks={job.ntasks} disagrees with --nodes={nodes} x --ntasks-per-node={tpn} = "
+                           f"{nodes * tpn}: --ntasks wins and Slurm places tasks unevenly "
+                           f"({','.join(map(str, placed))}); set --ntasks={nodes * tpn} or drop --ntasks")
+            return placed
+        return [tpn] * nodes
+    if job.ntasks is None:
+        findings.warn("ntasks-per-node-missing",
+                      f"--ntasks-per-node is not given: Slurm runs 1 task per node (pure model parallel inside "
+                      f"each node) and SLURM_NTASKS_PER_NODE does not exist for the page's code; add "
+                      f"--ntasks-per-node=1 to say so")
+        return [1] * nodes
+    if nodes == 1:
+        findings.warn("ntasks-per-node-missing",
+                      f"--ntasks-per-node is not given: SLURM_NTASKS_PER_NODE will not exist for the page's code; "
+                      f"add --ntasks-per-node={job.ntasks}")
+        return [job.ntasks]
+    even = job.ntasks // nodes if job.ntasks % nodes == 0 else None
+    findings.error("ntasks-per-node-missing",
+                   f"--ntasks={job.ntasks} on --nodes={nodes} without --ntasks-per-node: Slurm packs tasks by free "
+                   f"cores (-n 6 -N 3 gave 4,1,1 on the test cluster), so nodes get different nb_part; "
+                   + (f"add --ntasks-per-node={even}" if even else
+                      f"choose --ntasks a multiple of {nodes} and add --ntasks-per-node"))
+    base, extra = divmod(job.ntasks, nodes)
+    return [base + (1 if i < extra else 0) for i in range(nodes)]
+
+
+# ---- checks -----------------------------------------------------------------------------------------------------
+def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = False) -> None:
+    """The model and batch against the split: layers per part, chunks per batch."""
+    defaults = CPU_DEFAULTS if cpu else GPU_DEFAULTS
+    nlayers = t.nlayers if t.nlayers is not None else defaults["nlayers"]
+    chunks = t.chunks if t.chunks is not None else defaults["chunks"]
+    batch = t.batch_size if t.batch_size is not None else defaults["batch_size"]
+    if nb_part >= 1:
+        if nlayers < nb_part:
+            findings.error("nlayers-below-nb-part",
+                           f"--nlayers={nlayers} < nb_part={nb_part}: {nb_part - nlayers} GPU(s) of each task would "
+                           f"hold no Layer block (idle); use --nlayers >= {nb_part} or fewer GPUs per task "
+                           f"(more --ntasks-per-node, or --nb-part {max(1, nlayers)})")
+        elif nlayers % nb_part:
+            sizes = part_sizes(nlayers, nb_part)
+            more = [p for p, n in enumerate(sizes) if n > min(sizes)]
+            findings.warn("nlayers-not-multiple",
+                          f"--nlayers={nlayers} is not a multiple of nb_part={nb_part}: {'parts' if len(more) > 1 else 'part'} {_choices(more)} get "
+                          f"{max(sizes)} layers, the others {min(sizes)} (layers per part {sizes}); the slowest "
+                          f"part sets the pace: try --nlayers {nlayers - nlayers % nb_part} or "
+                          f"{nlayers + nb_part - nlayers % nb_part}")
+    if chunks < 1 or batch < 1:
+        findings.error("bad-value", f"--chunks ({chunks}) and --batch-size ({batch}) must be positive")
+    elif chunks > batch:
+        findings.error("chunks-above-batch",
+                       f"--chunks={chunks} is larger than the batch size per replica ({batch}): micro-batches "
+                       f"would be empty; use --chunks <= {batch}")
+    elif batch % chunks:
+        near = sorted(divisors(batch), key=lambda d: (abs(d - chunks), d))[:2]
+        findings.error("chunks-not-dividing-batch",
+                       f"--chunks={chunks} must divide the batch size per replica ({batch}): the micro-batches "
+                       f"would differ in size; try --chunks {_choices(near)}")
+    if t.engine not in ENGINES:
+        findings.error("bad-engine", f"--engine={t.engine!r} is not one of {', '.join(ENGINES)}")
+    for arg in t.unchecked:
+        findings.warn("unchecked-argument", f"{arg} is a shell variable: not checked here; check each value "
+                      "with `python check_topology.py ... --nlayers/--chunks/--batch-size N`")
+
+
+def torch_version_of(module: str | None) -> tuple[int, int] | None:
+    m = re.search(r"pytorch[-\w]*/py3/(\d+)\.(\d+)", module or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_engine(job: Job, t: Training, findings: Findings) -> None:
+    version = torch_version_of(job.torch_module)
+    if version and t.engine == "torch-pipe" and version >= (2, 4):
+        findings.error("engine-unavailable",
+                       f"--engine torch-pipe needs torch <= 2.3 but the script loads {job.torch_module} "
+                       f"(torch.distributed.pipeline was removed in 2.4); use --engine fairscale or auto, or "
+                       f"module load pytorch-gpu/py3/2.3.1")
+
+
+def check_cpus(job: Job, nb_part: int, tasks_per_node: list[int], findings: Findings) -> None:
+    ntype = node_type(job)
+    per_gpu = NODE_TYPES[ntype]["cores"] // NODE_TYPES[ntype]["gpus"] if ntype else None
+    want = per_gpu * nb_part if per_gpu else None
+    if job.cpus_per_task is None:
+        findings.warn("cpus-per-task-missing",
+                      "--cpus-per-task is not given: each task gets 1 core for itself and its DataLoader workers "
+                      "(and on Jean Zay only 1 core's share of memory); "
+                      + (f"add --cpus-per-task={want} ({per_gpu} per GPU x {nb_part} GPUs)" if want
+                         else "add --cpus-per-task=<cores per GPU x GPUs per task>"))
+    elif want and job.cpus_per_task < want:
+        findings.warn("cpus-per-task-small",
+                      f"--cpus-per-task={job.cpus_per_task} is below the {want} cores that go with {nb_part} GPU(s) "
+                      f"on {NODE_TYPES[ntype]['label']}; memory is granted per reserved core there: "
+                      f"use --cpus-per-task={want}")
+    elif job.cpus_per_task < 2:
+        findings.warn("cpus-per-task-small", f"--cpus-per-task={job.cpus_per_task} leaves no core for DataLoader "
+                      "workers; use at least 2")
+    if ntype and job.cpus_per_task:
+        cores = NODE_TYPES[ntype]["cores"]
+        busiest = max(tasks_per_node)
+        if job.cpus_per_task * busiest > cores:
+            fit = max(1, cores // busiest)
+            findings.error("cpus-exceed-node",
+                           f"{busiest} task(s) x --cpus-per-task={job.cpus_per_task} = "
+                           f"{busiest * job.cpus_per_task} cores, but {NODE_TYPES[ntype]['label']} have {cores}; "
+                           f"use --cpus-per-task <= {fit}")
+    if (job.hint or "").lower() != "nomultithread":
+        findings.warn("hint-missing", "--hint=nomultithread is not set: tasks get hyperthreads instead of "
+                      "physical cores (Jean Zay's advice for GPU jobs is --hint=nomultithread)")
+
+
+def check_time(job: Job, findings: Findings) -> None:
+    if job.time == "allocated":  # inside the allocation the limit is already granted
+        return
+    if job.time is None:
+        findings.warn("time-missing", "--time is not given: the partition/QoS default limit applies; "
+                      "add --time=HH:MM:SS, e.g. --time=02:00:00")
+    elif not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+|UNLIMITED|INFINITE", job.time.strip(), re.I):
+        findings.error("bad-time", f"--time={job.time!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
+
+
+@dataclass
+class Report:
+    job: Job
+    training: Training
+    tasks: list[TaskPlan]
+    findings: Findings
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings.errors
+
+    def as_dict(self) -> dict:
+        return {
+            "ok": self.ok, "job": asdict(self.job), "training": asdict(self.training),
+            "tasks": [dict(asdict(t), first_part=t.first_part, last_part=t.last_part, contents=t.contents)
+                      for t in self.tasks],
+            "findings": [asdict(f) for f in self.findings], "notes": self.notes,
+        }
+
+    def text(self) -> str:
+        j, t = self.job, self.training
+        lines = [f"check_topology: {j.source}"]
+        if self.tasks:
+            tpn = sorted({p.tasks_on_node for p in self.tasks})
+            nbp = sorted({p.nb_part for p in self.tasks})
+            nodes = len({p.node for p in self.tasks})
+            gpn = j.gpus_per_node if j.gpus_per_node is not None else "?"
+            lines.append(f"  {nodes} node(s) x {gpn} GPU(s), tasks per node {_choices(tpn)} -> "
+                         f"{len(self.tasks)} task(s) = model replicas, nb_part {_choices(nbp)}, "
+                         f"{t.nlayers} layers")
+            lines.append(f"  {'task':>4} {'node':>4} {'local':>5}  {'GPUs (node ids)':16} {'.to() indices':14} "
+                         "parts")
+            shown = 0
+            for p in self.tasks:
+                if shown >= 16 and len(self.tasks) > 20:
+                    lines.append(f"  ... {len(self.tasks) - shown} more task(s); --json lists them all")
+                    break
+                gpus = ",".join(p.gpu_ids) if p.gpu_ids else ("cpu" if p.cpu else "-")
+                idx = ",".join(map(str, p.devices)) if p.devices else "-"
+                parts = " | ".join(f"{(p.device(i) if p.cpu or i < len(p.devices) else '?')}: {c}"
+                                   for i, c in enumerate(p.contents)) if p.nb_part else "-"
+                lines.append(f"  {p.rank:>4} {p.node:>4} {p.local_rank:>5}  {gpus:16} {idx:14} {parts}")
+                shown += 1
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.findings:
+            lines += [f"  {f}" for f in self.findings]
+        e, w = len(self.findings.errors), len(self.findings) - len(self.findings.errors)
+        lines.append(f"  => {'OK' if self.ok else 'NOT OK'}: {e} error(s), {w} warning(s)")
+        return "\n".join(lines)
+
+
+def check_job(job: Job, training: Training) -> Report:
+    """Plan every task of a request and check the whole."""
+    findings = Findings()
+    tasks_per_node = job_tasks_per_node(job, findings)
+    gpn = job.gpus_per_node
+    if gpn is None and job.gpus_per_task:
+        gpn = job.gpus_per_task * max(tasks_per_node)
+    if gpn is None and job.gpus_total:
+        if job.gpus_total % len(tasks_per_node):
+            findings.error("gpus-uneven", f"--gpus={job.gpus_total} does not split evenly over {len(tasks_per_node)} "
+                           f"nodes; use --gpus-per-node")
+        gpn = job.gpus_total // len(tasks_per_node)
+    job.gpus_per_node = gpn
+    ntype = node_type(job)
+    if not gpn:
+        findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) or --gpus-per-node=N")
+    elif ntype and gpn > NODE_TYPES[ntype]["gpus"]:
+        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {NODE_TYPES[ntype]['label']} have "
+                       f"{NODE_TYPES[ntype]['gpus']}; use --gres=gpu:{NODE_TYPES[ntype]['gpus']} or another "
+                       f"partition (-p gpu_p2 / -C a100 for 8 GPUs)")
+
+    if len(set(tasks_per_node)) > 1:
+        nbs = {n: (gpn or 0) // n for n in tasks_per_node}
+        findings.error("uneven-tasks-per-node",
+                       f"tasks per node differ ({','.join(map(str, tasks_per_node))}): nodes get nb_part "
+                       f"{_choices(nbs.values())}, so replicas differ in layout and speed (the page's code even "
+                       f"lacks SLURM_NTASKS_PER_NODE); use --nodes={len(tasks_per_node)} with the same "
+                       f"--ntasks-per-node on every node")
+
+    bound = bool(job.gpus_per_task) or re.sub(r"^verbose,", "", (job.gpu_bind or "none").lower()) != "none"
+    if gpn and not bound and not training.nb_part:
+        for tasks in sorted(set(tasks_per_node)):
+            if tasks <= gpn and gpn % tasks:
+                nb = gpn // tasks
+                findings.error("gpus-not-divisible",
+                               f"{gpn} GPUs per node are not divisible by {tasks} tasks per node: nb_part = "
+                               f"{gpn} // {tasks} = {nb} and GPU(s) {','.join(map(str, range(nb * tasks, gpn)))} "
+                               f"stay idle; use --ntasks-per-node in {_choices(divisors(gpn))}")
+                break
+
+    plans: list[TaskPlan] = []
+    rank = 0
+    for node, tasks in enumerate(tasks_per_node):
+        for local in range(tasks):
+            if not gpn:
+                visible: list[str] = []
+            else:
+                visible = gpu_view(job, local, tasks, gpn, findings)
+            plans.append(plan_task(rank, node, local, tasks, visible, gpn, training.nlayers or 0,
+                                   training.nb_part, findings))
+            rank += 1
+    _dedupe(findings)
+    report = Report(job, training, plans, findings)
+    check_node_usage(report)
+    nb_parts = [p.nb_part for p in plans if p.nb_part]
+    if nb_parts:
+        check_training(min(nb_parts), training, findings)
+    check_engine(job, training, findings)
+    check_cpus(job, min(nb_parts) if nb_parts else 1, tasks_per_node, findings)
+    check_time(job, findings)
+    note_page_indexing(report)
+    return report
+
+
+def check_node_usage(report: Report) -> None:
+    """Two tasks of a node on one GPU, and GPUs nobody uses."""
+    by_node: dict[int, list[TaskPlan]] = {}
+    for p in report.tasks:
+        by_node.setdefault(p.node, []).append(p)
+    gpn = report.job.gpus_per_node
+    for node, plans in sorted(by_node.items()):
+        owners: dict[str, list[int]] = {}
+        for p in plans:
+            for g in p.gpu_ids:
+                owners.setdefault(g, []).append(p.rank)
+        shared = {g: r for g, r in owners.items() if len(r) > 1}
+        if shared:
+            g, r = sorted(shared.items())[0]
+            fix = ("give each task its own GPUs, e.g. --gpu-bind=map_gpu:" + ",".join(
+                       str(i * (gpn or 1) // len(plans)) for i in range(len(plans)))
+                   if "map_gpu" in (report.job.gpu_bind or "") else
+                   f"use --nb-part <= {(gpn or 0) // len(plans)} or fewer tasks per node")
+            report.findings.error("gpu-shared",
+                                  f"node {node}: GPU {g} is used by tasks {', '.join(map(str, r))} "
+                                  f"({len(shared)} GPU(s) shared in all); {fix}")
+        if gpn and any(p.gpu_ids for p in plans) and not any(f.code == "gpus-not-divisible"
+                                                             for f in report.findings):
+            idle = [str(i) for i in range(gpn) if str(i) not in owners]
+            if idle:
+                report.findings.warn("gpus-idle",
+                                     f"node {node}: GPU(s) {','.join(idle)} of {gpn} stay idle "
+                                     f"({len(plans)} task(s) x nb_part {plans[0].nb_part}); choose "
+                                     f"--ntasks-per-node in {_choices(divisors(gpn))} without --nb-part")
+                if len(by_node) > 1 and all(len(v) == len(plans) for v in by_node.values()):
+                    break  # same layout everywhere: once is enough
+        if shared and len(by_node) > 1:
+            break
+    _dedupe(report.findings)
+
+
+def note_page_indexing(report: Report) -> None:
+    """Per-task GPU binding breaks the page's own indexing; say what it would have done."""
+    for p in report.tasks:
+        if not p.bound or p.tasks_on_node < 2:
+            continue
+        visible = len(p.gpu_ids) if p.nb_part == len(p.gpu_ids) else p.nb_part
+        nb, first, last = page_indexing(p.local_rank, p.tasks_on_node, visible)
+        if nb < 1 or last >= visible or nb != p.nb_part:
+            report.notes.append(
+                f"per-task GPU binding: task {p.rank} sees only {visible} GPU(s); the page's own indexing "
+                f"(nb_part = device_count() // {p.tasks_on_node} = {nb}, first_part = local_rank * nb_part = "
+                f"{first}) would " + ("index past device_count()" if nb < 1 or last >= visible
+                                      else f"use {nb} of its {visible} GPUs")
+                + "; bench_ddp_transformer.py starts at visible GPU 0 and uses them all")
+            return
+
+
+def _dedupe(findings: Findings) -> None:
+    seen, kept = set(), []
+    for f in findings:
+        key = (f.level, f.code)
+        if key in seen and f.code in ("more-tasks-than-gpus", "gpu-index-past-visible"):
+            continue
+        seen.add(key)
+        kept.append(f)
+    findings[:] = kept
+
+
+# ---- reading an sbatch file the way sbatch does -------------------------------------------------------------------
+FLAGS = {"--exclusive", "--requeue", "--no-requeue", "--hold", "-H", "--wait", "-W", "--overcommit", "-O",
+         "--oversubscribe", "-s", "--contiguous", "--spread-job", "--use-min-nodes", "--parsable", "--test-only",
+         "-Q", "--quiet", "-v", "--verbose", "--ignore-pbs", "--no-kill", "-k", "--get-user-env", "--reboot",
+         "--nvmps", "--exact", "--unbuffered", "-u", "--label", "-l", "--overlap", "--mpi-bind"}
+SHORT_WITH_VALUE = set("NncGCtpAJoeDqsdwxLaMFimQ")
+
+
+def parse_options(tokens: list[str], where: str, findings: Findings) -> list[tuple[str, str | None]]:
+    """Split sbatch/srun option tokens into (name, value) pairs; short names mapped to long ones."""
+    short = {"N": "nodes", "n": "ntasks", "c": "cpus-per-task", "G": "gpus", "C": "constraint", "t": "time",
+             "p": "partition", "A": "account", "J": "job-name", "o": "output", "e": "error", "q": "qos"}
+    out, i = [], 0
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        if tok.startswith("--"):
+            name, eq, value = tok[2:].partition("=")
+            if not eq:
+                if tok in FLAGS or i >= len(tokens) or tokens[i].startswith("-"):
+                    value = None
+                else:
+                    value, i = tokens[i], i + 1
+            out.append((name, value))
+        elif tok.startswith("-") and len(tok) >= 2:
+            letter = tok[1]
+            if f"-{letter}" in FLAGS and len(tok) == 2:
+                out.append((short.get(letter, letter), None))
+                continue
+            value = tok[2:] or None
+            if value is None and i < len(tokens):
+                value, i = tokens[i], i + 1
+            if value is not None and value.startswith("="):
+                findings.error("bad-directive", f"{where}: '{tok}' is not valid for sbatch (write -{letter} "
+                               f"{value[1:]} or --{short.get(letter, letter)}={value[1:]})")
+                value = value[1:]
+            out.append((short.get(letter, letter), value))
+        else:
+            findings.warn("stray-token", f"{where}: {tok!r} is not an option; sbatch rejects it ('Invalid "
+                          f"directive'); quote values with spaces")
+    return out
+
+
+def _int_option(name: str, value: str | None, where: str, findings: Findings, lo: int = 1) -> int | None:
+    raw = (value or "").strip()
+    if "$" in raw:
+        return None  # reported once as a variable
+    m = re.fullmatch(r"(?:[A-Za-z0-9_-]+:)?(\d+)", raw) if name.startswith("gpus") else re.fullmatch(r"(\d+)", raw)
+    if name == "nodes" and re.fullmatch(r"\d+-\d+", raw):
+        findings.warn("node-range", f"{where}: --nodes={raw} is a range; the plan assumes the minimum "
+                      f"{raw.split('-')[0]}: fix it (e.g. --nodes={raw.split('-')[0]}) so the layout is known")
+        m = re.match(r"(\d+)", raw)
+    if not m or int(m.group(1)) < lo:
+        findings.error("bad-value", f"{where}: --{name}={raw!r} is not a count >= {lo}")
+        return None
+    return int(m.group(1))
+
+
+def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
+    """GPUs per node in --gres: 'gpu:4', 'gpu:v100:4', 'gpu:4(S:0-1)', 'gpu' (one)."""
+    for item in re.split(r",(?![^(]*\))", value):  # commas inside '(S:0-1)' don't separate items
+        m = re.fullmatch(r"gpu(?::([A-Za-z][\w.-]*))?(?::(\w+))?(\(.*\))?", item.strip())
+        if not m:
+            if item.strip().startswith("gpu"):
+                findings.error("bad-value", f"{where}: --gres={value!r} is not gpu[:type]:count")
+                return None
+            continue
+        count = m.group(2) or "1"
+        if not count.isdigit() or int(count) < 1:
+            findings.error("bad-value", f"{where}: --gres={value!r}: GPU count {count!r} is not a number >= 1")
+            return None
+        return int(count)
+    return None
+
+
+def apply_option(job: Job, name: str, value: str | None, where: str, findings: Findings) -> None:
+    if value is not None and "$" in value and not name.startswith(("output", "error", "job-name", "chdir")):
+        findings.error("variable-in-directive",
+                       f"{where}: --{name}={value} uses a shell variable, but sbatch does not expand variables in "
+                       f"#SBATCH lines (it sees the text {value!r}); write the value, or pass it on the sbatch "
+                       f"command line: sbatch --{name}=\"${{VAR}}\" job.slurm")
+        return
+    if value is not None and "$" in value:
+        findings.error("variable-in-directive",
+                       f"{where}: --{name}={value} uses a shell variable, but sbatch does not expand it: the file "
+                       f"would be literally {value!r}; use Slurm's patterns (%j job id, %x job name, %u user) or an "
+                       f"absolute path")
+        return
+    if name in ("nodes",):
+        job.nodes = _int_option(name, value, where, findings)
+    elif name == "ntasks":
+        job.ntasks = _int_option(name, value, where, findings)
+    elif name in ("ntasks-per-node", "tasks-per-node"):
+        job.ntasks_per_node = _int_option("ntasks-per-node", value, where, findings)
+    elif name == "cpus-per-task":
+        job.cpus_per_task = _int_option(name, value, where, findings)
+    elif name == "gres":
+        n = gres_gpus(value or "", where, findings)
+        if n is not None:
+            job.gpus_per_node = n
+    elif name == "gpus-per-node":
+        job.gpus_per_node = _int_option(name, value, where, findings)
+    elif name == "gpus-per-task":
+        job.gpus_per_task = _int_option(name, value, where, findings)
+    elif name == "gpus":
+        job.gpus_total = _int_option(name, value, where, findings)
+    elif name == "gpu-bind":
+        job.gpu_bind = value
+        check_gpu_bind(value or "", where, findings)
+    elif name == "hint":
+        job.hint = value
+    elif name == "constraint":
+        job.constraint = value
+    elif name == "partition":
+        job.partition = value
+    elif name == "time":
+        job.time = value
+
+
+def check_gpu_bind(value: str, where: str, findings: Findings) -> None:
+    v = re.sub(r"^verbose,", "", value.lower())
+    if v.startswith(("map_gpu:", "mask_gpu:", "per_task:", "single:")) or v in ("closest", "none"):
+        if v.startswith("mask_gpu:"):
+            findings.warn("gpu-bind-mask", f"{where}: --gpu-bind=mask_gpu is not modelled: the plan assumes each "
+                          "task sees all the node's GPUs")
+        if v == "closest":
+            findings.warn("gpu-bind-closest", f"{where}: --gpu-bind=closest shows each task the GPUs of its NUMA "
+                          "domain, which depends on the node; the plan assumes all GPUs are visible")
+        if v.startswith("per_task:") and not v.split(":", 1)[1].isdigit():
+            findings.error("bad-value", f"{where}: --gpu-bind={value!r}: per_task wants a count")
+        if v.startswith("map_gpu:") and not all(x.split("*")[0].isdigit()
+                                                 for x in v.split(":", 1)[1].split(",") if x):
+            findings.error("bad-value", f"{where}: --gpu-bind={value!r}: map_gpu wants GPU indices")
+        return
+    findings.error("bad-value", f"{where}: --gpu-bind={value!r} is not a GPU binding Slurm knows "
+                   "(closest, map_gpu:, mask_gpu:, per_task:, single:, none)")
+
+
+def training_from_argv(argv: list[str], t: Training, where: str, findings: Findings) -> None:
+    """The trainer's own arguments on its srun line (only the ones the plan depends on)."""
+    names = {"--nlayers": "nlayers", "--chunks": "chunks", "--batch-size": "batch_size", "--nb-part": "nb_part",
+             "--engine": "engine"}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        name, eq, value = tok.partition("=")
+        i += 1
+        if name not in names:
+            continue
+        if not eq:
+            if i >= len(argv):
+                findings.error("bad-value", f"{where}: {name} has no value")
+                return
+            value, i = argv[i], i + 1
+        attr = names[name]
+        if "$" in value:
+            t.unchecked.append(f"{where}: {name} {value}")
+            continue
+        if attr == "engine":
+            t.engine = value
+            continue
+        try:
+            setattr(t, attr, int(value))
+        except ValueError:
+            findings.error("bad-value", f"{where}: {name} {value!r} is not an integer")
+
+
+def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
+    """Read the #SBATCH header the way sbatch does and the trainer's srun line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    job, training, findings = Job(source=str(path)), Training(), Findings()
+    in_header, seen_trainer = True, False
+    logical: list[tuple[int, str]] = []  # (first line number, line with continuations joined)
+    pending, start = "", 0
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if pending or (not line.lstrip().startswith("#") and line.rstrip().endswith("\\")):
+            if not pending:
+                start = lineno
+            pending += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
+            if not line.rstrip().endswith("\\"):
+                logical.append((start, pending))
+                pending = ""
+            continue
+        logical.append((lineno, line))
+    if pending:
+        logical.append((start, pending))
+
+    for lineno, line in logical:
+        where = f"{Path(path).name}:{lineno}"
+        if line.startswith("#SBATCH"):
+            if not in_header:
+                findings.warn("ignored-directive", f"{where}: '{line.strip()}' comes after the first command; "
+                              "sbatch ignores it: move it above the first command")
+                continue
+            try:
+                tokens = shlex.split(line[len("#SBATCH"):], comments=True)
+            except ValueError as exc:
+                findings.error("bad-directive", f"{where}: cannot parse '{line.strip()}' ({exc})")
+                continue
+            for name, value in parse_options(tokens, where, findings):
+                apply_option(job, name, value, where, findings)
+            continue
+        stripped = line.strip()
+        if re.match(r"#\s*SBATCH", stripped) and (line != stripped or not stripped.startswith("#SBATCH")):
+            findings.warn("ignored-directive", f"{where}: '{stripped}' is not read by sbatch (a directive must start "
+                          "with '#SBATCH' in column 0): write it as '#SBATCH ...' at the start of the line")
+            continue
+        if not stripped or stripped.startswith("#"):
+            continue
+        in_header = False
+        m = re.match(r"module\s+load\s+(.*)", stripped)
+        if m:
+            for mod in m.group(1).split():
+                if torch_version_of(mod):
+                    job.torch_module = mod
+        if "bench_ddp_transformer.py" in stripped and not seen_trainer:
+            seen_trainer = True
+            try:
+                argv = shlex.split(stripped, comments=True)
+            except ValueError as exc:
+                findings.error("bad-command", f"{where}: cannot parse the trainer's line ({exc})")
+                continue
+            cut = next(i for i, a in enumerate(argv) if a.endswith("bench_ddp_transformer.py"))
+            if argv and argv[0] == "srun":  # srun's own options override the job's for this step
+                for name, value in parse_options([a for a in argv[1:cut] if a not in ("python", "python3")],
+                                                 where, Findings()):
+                    if name in ("nodes", "ntasks", "ntasks-per-node", "gpus-per-task", "gpu-bind", "cpus-per-task"):
+                        apply_option(job, name, value, where, findings)
+            training_from_argv(argv[cut + 1:], training, where, findings)
+    if not seen_trainer:
+        findings.warn("no-trainer-line", f"{Path(path).name}: no 'srun ... bench_ddp_transformer.py' line found; "
+                      "the training arguments were taken from the defaults")
+    return job, training, findings
+
+
+# ---- inside an allocation ----------------------------------------------------------------------------------------
+def job_from_allocation(env: dict[str, str]) -> Job:
+    """The allocation a batch script runs in (SLURM_JOB_NUM_NODES, SLURM_TASKS_PER_NODE, SLURM_JOB_GPUS, ...)."""
+    def num(name: str) -> int | None:
+        v = env.get(name, "").strip()
+        if not v:
+            return None
+        m = re.match(r"(?:[A-Za-z0-9_-]+:)?(\d+)$", v)
+        if not m:
+            raise UsageError(f"{name}={v!r} is not a number")
+        return int(m.group(1))
+    tpn = env.get("SLURM_TASKS_PER_NODE", "").strip()
+    gpus = env.get("SLURM_JOB_GPUS", "").strip()
+    job = Job(
+        nodes=num("SLURM_JOB_NUM_NODES") or num("SLURM_NNODES"),
+        ntasks=num("SLURM_NTASKS"), ntasks_per_node=num("SLURM_NTASKS_PER_NODE"),
+        tasks_per_node=idr_torch.parse_tasks_per_node(tpn, "SLURM_TASKS_PER_NODE") if tpn else None,
+        gpus_per_node=num("SLURM_GPUS_ON_NODE") or (len(gpus.split(",")) if gpus else None),
+        gpus_per_task=num("SLURM_GPUS_PER_TASK"), gpu_bind=env.get("SLURM_GPU_BIND") or None,
+        cpus_per_task=num("SLURM_CPUS_PER_TASK"), hint=env.get("SLURM_HINT") or None,
+        constraint=env.get("SLURM_JOB_CONSTRAINTS") or None, partition=env.get("SLURM_JOB_PARTITION") or None,
+        time="allocated",
+        source=f"allocation of job {env.get('SLURM_JOB_ID', '?')} ({env.get('SLURM_JOB_NODELIST', '?')})")
+    return job
+
+
+def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
+    """What this task really sees, for the collective report."""
+    visible_raw = launch.env.get("CUDA_VISIBLE_DEVICES")
+    visible = [g for g in (visible_raw or "").split(",") if g.strip() and visible_raw not in ("-1", "NoDevFiles")]
+    gon = launch.env.get("SLURM_GPUS_ON_NODE", "").strip()
+    findings = Findings()
+    plan = plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, visible,
+                     int(gon) if gon.isdigit() else None, training.nlayers or 0, training.nb_part, findings)
+    try:
+        import psutil
+        affinity = len(psutil.Process().cpu_affinity())
+    except (ImportError, AttributeError):
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpt = launch.env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if cpt.isdigit() and affinity < int(cpt):
+        findings.warn("affinity-small", f"task {launch.rank} may run on {affinity} CPU(s) but asked "
+                      f"--cpus-per-task={cpt}: its DataLoader workers will share them")
+    if not visible:
+        findings.warn("no-gpu-visible", f"task {launch.rank} sees no GPU (CUDA_VISIBLE_DEVICES="
+                      f"{visible_raw!r}): the trainer will run its {plan.nb_part} parts on the CPU")
+    return {"host": socket.gethostname(), "plan": asdict(plan), "findings": [asdict(f) for f in findings],
+            "gpus_on_node": gon}
+
+
+def collect_reports(launch: idr_torch.Launch, facts: dict,
+                    timeout: float = 120.0) -> tuple[list[dict], list[socket.socket]]:
+    """Rank 0: collect every task's facts over TCP on the job's master port (no torch, no shared disk).
+    Returns the facts by rank ({"missing": True} for a task that never reported) and the open connections,
+    on which the verdict is sent back."""
+    got, conns = {0: facts}, []
+    if launch.size > 1:
+        with socket.create_server(("", launch.master_port), backlog=launch.size) as server:
+            server.settimeout(1.0)
+            deadline = time.monotonic() + timeout
+            while len(got) < launch.size and time.monotonic() < deadline:
+                try:
+                    conn, _ = server.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(30)
+                with conn.makefile("rb") as f:
+                    line = f.readline()
+                try:
+                    msg = json.loads(line)
+                    got[int(msg.pop("rank"))] = msg
+                    conns.append(conn)
+                except (ValueError, KeyError):
+                    conn.close()
+    return [got.get(r, {"missing": True}) for r in range(launch.size)], conns
+
+
+def send_report(launch: idr_torch.Launch, facts: dict, timeout: float = 120.0) -> int:
+    """Ranks > 0: send this task's facts to rank 0 and return the exit code it decides for everyone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = socket.create_connection((launch.master_addr, launch.master_port), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise UsageError(f"task {launch.rank} could not reach task 0 at {launch.master_addr}:"
+                                 f"{launch.master_port} within {timeout:.0f}s")
+            time.sleep(0.5)
+    with conn:
+        conn.sendall((json.dumps({"rank": launch.rank, **facts}) + "\n").encode())
+        conn.settimeout(timeout + 30)
+        with conn.makefile("rb") as f:
+            verdict = f.readline().strip()
+    return int(verdict) if verdict.isdigit() else 1
+
+
+def check_in_step(launch: idr_torch.Launch, training: Training) -> tuple[Report | None, int]:
+    """srun python check_topology.py: every task checks what it sees; rank 0 prints one report."""
+    facts = task_facts(launch, training)
+    if launch.rank != 0:
+        return None, send_report(launch, facts)
+    result, conns = collect_reports(launch, facts)
+    job = job_from_allocation(launch.env)
+    job.source = (f"srun step {launch.job_id}.{launch.step_id}: {launch.size} task(s) on {launch.nodelist}, "
+                  "as each task sees it")
+    job.tasks_per_node = launch.tasks_per_node
+    findings, plans = Findings(), []
+    for r, f in enumerate(result):
+        if f.get("missing"):
+            findings.error("task-missing", f"task {r} never reported to task 0 within the timeout; is it running?")
+            continue
+        plans.append(TaskPlan(**f["plan"]))
+        findings.extend(Finding(**x) for x in f["findings"])
+        if job.gpus_per_node is None and str(f.get("gpus_on_node", "")).isdigit():
+            job.gpus_per_node = int(f["gpus_on_node"])
+    _dedupe(findings)
+    if len(set(launch.tasks_per_node)) > 1:
+        findings.error("uneven-tasks-per-node",
+                       f"tasks per node differ ({','.join(map(str, launch.tasks_per_node))}): nodes get different "
+                       f"nb_part ({_choices(p.nb_part for p in plans)}); use --ntasks-per-node")
+    report = Report(job, training, plans, findings)
+    check_node_usage(report)
+    nb = [p.nb_part for p in plans if p.nb_part]
+    if nb:
+        check_training(min(nb), training, findings, cpu=all(p.cpu for p in plans))
+    note_page_indexing(report)
+    code = 0 if report.ok else 1
+    for c in conns:
+        with c:
+            try:
+                c.sendall(f"{code}\n".encode())
+            except OSError:
+                pass
+    return report, code
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="check_topology.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 clean (warnings allowed), 1 errors, 2 usage error or unreadable file.")
+    p.add_argument("sbatch_file", nargs="?", help="an sbatch script to check before submitting it")
+    plan = p.add_argument_group("planning without a cluster")
+    plan.add_argument("--nodes", "-N", type=int)
+    plan.add_argument("--gpus-per-node", type=int)
+    plan.add_argument("--ntasks-per-node", type=int)
+    plan.add_argument("--ntasks", "-n", type=int)
+    plan.add_argument("--gpus-per-task", type=int)
+    plan.add_argument("--gpu-bind")
+    plan.add_argument("--cpus-per-task", "-c", type=int)
+    plan.add_argument("--partition", "-p")
+    plan.add_argument("--constraint", "-C")
+    train = p.add_argument_group("the trainer's arguments (override an sbatch file's srun line)")
+    train.add_argument("--nlayers", type=int)
+    train.add_argument("--chunks", type=int)
+    train.add_argument("--batch-size", type=int, help="per replica (task)")
+    train.add_argument("--engine", choices=ENGINES)
+    train.add_argument("--nb-part", type=int, help="GPUs per replica (default: derived as on the page)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+PLANNING = ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_task", "gpu_bind", "cpus_per_task",
+            "partition", "constraint")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return 2 if exc.code else 0
+    training = Training()
+
+    def override(t: Training) -> Training:
+        for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part"):
+            if getattr(args, name) is not None:
+                setattr(t, name, getattr(args, name))
+        if t.nlayers is None:
+            t.nlayers = GPU_DEFAULTS["nlayers"]
+        return t
+
+    try:
+        planning = any(getattr(args, k) is not None for k in PLANNING)
+        if args.sbatch_file:
+            if planning:
+                raise UsageError("give either an sbatch file or planning flags (--nodes ...), not both")
+            job, training, findings = read_sbatch(args.sbatch_file)
+            report = check_job(job, override(training))
+            report.findings[:0] = findings
+        elif planning:
+            missing = [f"--{k.replace('_', '-')}" for k in ("nodes", "gpus_per_node") if getattr(args, k) is None]
+            if missing and not (args.gpus_per_task and args.nodes):
+                raise UsageError(f"planning needs {' and '.join(missing)} (and --ntasks-per-node), e.g. "
+                                 "--nodes 3 --gpus-per-node 4 --ntasks-per-node 2")
+            job = Job(**{k: getattr(args, k) for k in PLANNING})
+            job.source = (f"plan: {args.nodes} node(s) x {args.gpus_per_node or '?'} GPU(s), "
+                          f"--ntasks-per-node={args.ntasks_per_node}")
+            report = check_job(job, override(training))
+            # planning flags describe the layout, not the cores, hint or time limit: don't nag about those
+            report.findings[:] = [f for f in report.findings
+                                  if f.code not in ("cpus-per-task-missing", "hint-missing", "time-missing")]
+        else:
+            launch = idr_torch.Launch()
+            if launch.launcher == "slurm":
+                report, code = check_in_step(launch, override(training))
+                if report is None:
+                    return code
+            elif launch.job_id:
+                report = check_job(job_from_allocation(launch.env), override(training))
+            else:
+                raise UsageError("nothing to check: give an sbatch file, planning flags (--nodes 3 --gpus-per-node 4 "
+                                 "--ntasks-per-node 2), or run me inside a Slurm allocation")
+    except (UsageError, idr_torch.LaunchError) as exc:
+        print(f"check_topology: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.as_dict(), indent=1) if args.json else report.text())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

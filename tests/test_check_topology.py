@@ -1,0 +1,267 @@
+"""check_topology: the topology model, the split, and the pre-flight checker (no torch, no cluster)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import check_topology as ct
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = Path(__file__).resolve().parent / "sbatch"
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "check_topology.py"), *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+# ---- the page's two configurations ----------------------------------------------------------------------------
+def pairs(report: ct.Report) -> list[tuple[int, int, tuple[str, ...]]]:
+    return [(p.node, p.local_rank, tuple(p.gpu_ids)) for p in report.tasks]
+
+
+def test_page_three_nodes_four_gpus_two_tasks():
+    report = ct.check_job(ct.Job(nodes=3, gpus_per_node=4, ntasks_per_node=2, cpus_per_task=20,
+                                 hint="nomultithread", constraint="v100-32g", time="1:00:00"), ct.Training(nlayers=8))
+    assert report.ok and not report.findings, [str(f) for f in report.findings]
+    assert len(report.tasks) == 6
+    assert pairs(report) == [(n, l, g) for n in range(3) for l, g in ((0, ("0", "1")), (1, ("2", "3")))]
+    assert [(p.first_part, p.last_part) for p in report.tasks] == [(0, 1), (2, 3)] * 3
+    assert {p.nb_part for p in report.tasks} == {2}
+
+
+def test_page_two_nodes_eight_gpus_four_tasks():
+    report = ct.check_job(ct.Job(nodes=2, gpus_per_node=8, ntasks_per_node=4, cpus_per_task=6, hint="nomultithread",
+                                 partition="gpu_p2", time="20:00:00"), ct.Training(nlayers=8))
+    assert report.ok and not report.findings, [str(f) for f in report.findings]
+    assert len(report.tasks) == 8
+    expect = [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert [p.gpu_ids for p in report.tasks] == [list(e) for e in expect] * 2
+    assert [p.devices for p in report.tasks] == [[0, 1], [2, 3], [4, 5], [6, 7]] * 2
+
+
+def test_cli_prints_the_pairs():
+    out = run_cli("--nodes", "3", "--gpus-per-node", "4", "--ntasks-per-node", "2", "--nlayers", "8")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+\d+\s", line)]
+    assert [(r[0], r[3]) for r in rows] == [("0", "0,1"), ("1", "2,3"), ("2", "0,1"), ("3", "2,3"), ("4", "0,1"),
+                                            ("5", "2,3")]
+    assert "cuda:0: Encoder + Layer 0-3 | cuda:1: Layer 4-7 + Decoder" in out.stdout
+    assert "=> OK: 0 error(s), 0 warning(s)" in out.stdout
+
+
+def test_cli_json():
+    out = run_cli("--nodes", "2", "--gpus-per-node", "8", "--ntasks-per-node", "4", "--nlayers", "8", "--json")
+    data = json.loads(out.stdout)
+    assert out.returncode == 0 and data["ok"] is True
+    assert [t["first_part"] for t in data["tasks"]] == [0, 2, 4, 6] * 2
+    assert [t["last_part"] for t in data["tasks"]] == [1, 3, 5, 7] * 2
+    assert data["tasks"][0]["contents"] == ["Encoder + Layer 0-3", "Layer 4-7 + Decoder"]
+
+
+# ---- the layer split ---------------------------------------------------------------------------------------------
+def page_loop(nlayers: int, nb_part: int) -> list[int]:
+    """The page's own loop (float partition_len), returning the part of each layer."""
+    partition_len = max(nlayers / nb_part, 1)
+    return [int(i // partition_len) for i in range(nlayers)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 12))
+def test_split_equals_page_when_divisible(nb_part, per_part):
+    nlayers = nb_part * per_part
+    assert ct.split_layers(nlayers, nb_part) == page_loop(nlayers, nb_part)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 16))
+def test_split_properties(nlayers, nb_part):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parts = ct.split_layers(nlayers, nb_part)
+    assert len(parts) == nlayers  # every layer exactly once
+    assert parts == sorted(parts)  # contiguous, in order
+    assert all(0 <= p < nb_part for p in parts)
+    sizes = [parts.count(p) for p in range(nb_part)]
+    assert max(sizes) - min(sizes) <= 1  # balanced
+    assert sizes == ct.part_sizes(nlayers, nb_part)
+    if nlayers >= nb_part:
+        assert set(parts) == set(range(nb_part))  # no idle part
+
+
+def test_page_loop_breaks_where_ours_does_not():
+    # nlayers=7, nb_part=2: the page's float partition_len 3.5 never triggers `i % 3.5 == 0` after i=0 ...
+    assert page_loop(7, 2) == [0, 0, 0, 0, 1, 1, 1]
+    # ... and 10 layers on 4 parts put layers of two parts together in the page's module_list
+    assert ct.split_layers(10, 4) == [0, 0, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert ct.part_sizes(7, 2) == [3, 4]  # the extra layer goes to the last part, not the Encoder's
+
+
+def test_split_below_nb_part_is_defined_with_a_warning():
+    with pytest.warns(UserWarning, match=r"nlayers \(1\) < nb_part \(4\): 3 part\(s\) get no Layer"):
+        assert ct.split_layers(1, 4) == [3]
+    assert ct.part_contents(1, 4) == ["Encoder", "(nothing)", "(nothing)", "Layer 0 + Decoder"]
+
+
+def test_part_contents():
+    assert ct.part_contents(8, 2) == ["Encoder + Layer 0-3", "Layer 4-7 + Decoder"]
+    assert ct.part_contents(3, 3) == ["Encoder + Layer 0", "Layer 1", "Layer 2 + Decoder"]
+    assert ct.part_contents(4, 1) == ["Encoder + Layer 0-3 + Decoder"]
+
+
+# ---- one task's plan --------------------------------------------------------------------------------------------
+def test_plan_page_indexing_when_all_gpus_visible():
+    plan = ct.plan_task(3, 1, 1, 2, ["0", "1", "2", "3"], 4, nlayers=8)
+    assert (plan.nb_part, plan.first_part, plan.last_part, plan.devices, plan.bound) == (2, 2, 3, [2, 3], False)
+    assert plan.device(0) == "cuda:2" and plan.device(1) == "cuda:3"
+
+
+def test_plan_starts_at_zero_when_bound_per_task():
+    # --gpus-per-task=2: task 1 sees CUDA_VISIBLE_DEVICES=2,3, i.e. cuda:0 and cuda:1 (seen on the test cluster)
+    plan = ct.plan_task(1, 0, 1, 2, ["2", "3"], 4, nlayers=8)
+    assert (plan.nb_part, plan.devices, plan.gpu_ids, plan.bound) == (2, [0, 1], ["2", "3"], True)
+    assert ct.page_indexing(1, 2, 2) == (1, 1, 1)  # the page would use 1 GPU of 2
+
+
+def test_plan_index_past_visible_is_an_error():
+    findings = ct.Findings()
+    plan = ct.plan_task(1, 0, 1, 2, ["0", "1", "2", "3"], 4, nlayers=8, nb_part=4, findings=findings)
+    assert [f.code for f in findings] == ["gpu-index-past-visible"]
+    assert "GPU index 7 but sees only 4 GPU(s)" in findings[0].message
+    assert plan.devices == []
+
+
+def test_plan_cpu():
+    plan = ct.plan_task(0, 0, 0, 1, [], None, nlayers=4)
+    assert plan.cpu and plan.nb_part == ct.CPU_NB_PART and plan.device(1) == "cpu"
+
+
+def test_plan_torchrun_without_slurm_counts():
+    # torchrun on a 4-GPU workstation, 2 processes: every process sees all 4 GPUs
+    plan = ct.plan_task(1, 0, 1, 2, ["0", "1", "2", "3"], None, nlayers=8)
+    assert plan.devices == [2, 3]
+
+
+# ---- the sbatch corpus: every good file checks clean, every bad file gives its finding ---------------------------
+GOOD = sorted((CORPUS / "good").glob("*.slurm"))
+BAD = sorted((CORPUS / "bad").glob("*.slurm"))
+
+
+def expectations(path: Path) -> tuple[set[str], int]:
+    text = path.read_text()
+    codes = set(re.search(r"^# expect: (.*)$", text, re.M).group(1).split())
+    code = int(re.search(r"^# exit: (\d)$", text, re.M).group(1))
+    return codes, code
+
+
+@pytest.mark.parametrize("path", GOOD, ids=lambda p: p.stem)
+def test_good_sbatch_files_check_clean(path):
+    job, training, findings = ct.read_sbatch(path)
+    report = ct.check_job(job, training)
+    report.findings[:0] = findings
+    assert report.ok and not report.findings, [str(f) for f in report.findings]
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
+def test_bad_sbatch_files_are_caught(path):
+    codes, exit_code = expectations(path)
+    out = run_cli(str(path), "--json")
+    data = json.loads(out.stdout)
+    found = {f["code"] for f in data["findings"]}
+    assert codes <= found, f"{path.name}: expected {codes}, got {found}"
+    assert out.returncode == exit_code
+    for f in data["findings"]:
+        if f["code"] in codes and f["code"] != "hint-missing":
+            assert re.search(r"\d", f["message"]), f"{f['code']} names no number: {f['message']}"
+    if exit_code:
+        assert any(f["level"] == "error" and f["code"] in codes for f in data["findings"])
+
+
+def test_corpus_covers_every_catch_of_the_issue():
+    covered = set().union(*(expectations(p)[0] for p in BAD))
+    assert {"gpus-not-divisible", "more-tasks-than-gpus", "uneven-tasks-per-node", "gpu-index-past-visible",
+            "gpu-shared", "gpus-idle", "ntasks-mismatch", "ntasks-per-node-missing", "nlayers-below-nb-part",
+            "nlayers-not-multiple", "chunks-above-batch", "chunks-not-dividing-batch", "cpus-per-task-missing",
+            "cpus-per-task-small", "hint-missing", "ignored-directive", "variable-in-directive"} <= covered
+
+
+def test_messages_give_numbers_and_fix():
+    job, training, findings = ct.read_sbatch(CORPUS / "bad" / "chunks_not_dividing.slurm")
+    report = ct.check_job(job, training)
+    [f] = [f for f in report.findings if f.code == "chunks-not-dividing-batch"]
+    assert f.message == ("--chunks=6 must divide the batch size per replica (64): the micro-batches would differ "
+                         "in size; try --chunks 4 or 8")
+    job, training, findings = ct.read_sbatch(CORPUS / "bad" / "ntasks_mismatch.slurm")
+    report = ct.check_job(job, training)
+    [f] = [f for f in report.findings if f.code == "ntasks-mismatch"]
+    assert "--ntasks=5" in f.message and "2,2,1" in f.message and "set --ntasks=6" in f.message
+
+
+def test_directive_parsing_forms():
+    f = ct.Findings()
+    opts = ct.parse_options(["-N", "3", "-N3", "--nodes=3", "--nodes", "3", "--exclusive", "-c20", "--gres=gpu:4"],
+                            "x", f)
+    assert opts == [("nodes", "3")] * 4 + [("exclusive", None), ("cpus-per-task", "20"), ("gres", "gpu:4")]
+    assert not f
+    for gres, n in (("gpu:4", 4), ("gpu:v100:4", 4), ("gpu:4(S:0-1)", 4), ("gpu", 1), ("nvme:1,gpu:2", 2),
+                    ("gpu:a100", 1)):
+        assert ct.gres_gpus(gres, "x", f) == n, gres
+
+
+def test_sbatch_reads_last_value_and_srun_overrides(tmp_path):
+    script = tmp_path / "job.slurm"
+    script.write_text("#!/bin/bash\n#SBATCH -N 2\n#SBATCH --nodes=3 --ntasks-per-node=4 --gres=gpu:4\n"
+                      "srun --ntasks-per-node=2 python ./bench_ddp_transformer.py --chunks=8 --batch-size 64\n")
+    job, training, findings = ct.read_sbatch(script)
+    assert (job.nodes, job.ntasks_per_node, job.gpus_per_node) == (3, 2, 4)
+    assert (training.chunks, training.batch_size) == (8, 64)
+
+
+# ---- exit codes and usage -----------------------------------------------------------------------------------------
+def test_exit_codes(tmp_path):
+    assert run_cli(str(CORPUS / "good" / "page_3nodes_4gpus.slurm")).returncode == 0
+    assert run_cli(str(CORPUS / "bad" / "gpus_not_divisible.slurm")).returncode == 1
+    missing = run_cli(str(tmp_path / "nope.slurm"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr and "nope.slurm" in missing.stderr
+    assert run_cli("--bogus").returncode == 2
+    both = run_cli(str(CORPUS / "good" / "page_3nodes_4gpus.slurm"), "--nodes", "2")
+    assert both.returncode == 2 and "not both" in both.stderr
+    half = run_cli("--ntasks-per-node", "2")
+    assert half.returncode == 2 and "--nodes" in half.stderr
+
+
+def test_nothing_to_check_outside_slurm():
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    out = run_cli(env=env)
+    assert out.returncode == 2 and "nothing to check" in out.stderr
+
+
+def test_no_torch_on_the_checker_path():
+    code = ("import sys, check_topology as ct; ct.main(['tests/sbatch/good/page_3nodes_4gpus.slurm']); "
+            "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().endswith("NOTORCH"), out.stdout + out.stderr
+
+
+# ---- inside an allocation: the batch script's view --------------------------------------------------------------
+def test_allocation_from_batch_environment():
+    # what the test cluster's batch step shows for -N 3 --ntasks-per-node=2 --gres=gpu:4 -c 10 --hint=nomultithread
+    env = {"SLURM_JOB_ID": "6", "SLURM_JOB_NUM_NODES": "3", "SLURM_TASKS_PER_NODE": "2(x3)", "SLURM_NTASKS": "6",
+           "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4",
+           "SLURM_CPUS_PER_TASK": "10", "SLURM_HINT": "nomultithread", "SLURM_JOB_NODELIST": "node[1-3]",
+           "SLURM_JOB_PARTITION": "gpu_p13"}
+    report = ct.check_job(ct.job_from_allocation(env), ct.Training(nlayers=8))
+    assert pairs(report)[:2] == [(0, 0, ("0", "1")), (0, 1, ("2", "3"))]
+    assert [f.code for f in report.findings] == ["cpus-per-task-small"]  # 10 < 2 GPUs x 10 cores
+    uneven = dict(env, SLURM_TASKS_PER_NODE="2(x2),1", SLURM_NTASKS="5")
+    del uneven["SLURM_NTASKS_PER_NODE"]
+    report = ct.check_job(ct.job_from_allocation(uneven), ct.Training(nlayers=8))
+    assert "uneven-tasks-per-node" in {f.code for f in report.findings} and not report.ok
