@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 .PHONY: run test test-modern test-legacy venv legacy slurm-deps clean
 
 run: venv
-	$(PY) idr_torch.py
+	$(PY) bench_ddp_transformer.py
 
 test: venv legacy slurm-deps
 	$(MAKE) --no-print-directory test-modern test-legacy

@@ -1,0 +1,788 @@
+#!/usr/bin/env python
+"""
+Hybrid pipeline + data parallel training of a transformer classifier on IMDB: the IDRIS page's benchmark.
+One task per model replica; each replica's model is split over the task's GPUs with a GPipe Pipe; the
+replicas train together with DistributedDataParallel. Runs on current PyTorch (fairscale's Pipe) and on
+torch <= 2.3 (the page's torch.distributed.pipeline.sync.Pipe), on GPUs (nccl) or on the CPU (gloo).
+
+On a Slurm cluster (one task per replica; GPUs per task = GPUs per node // tasks per node):
+    srun python check_topology.py --nlayers 16 --chunks 4 --batch-size 64     # pre-flight, then:
+    srun python bench_ddp_transformer.py --nlayers 16 --chunks 4 --batch-size 64 --data-dir $DSDIR/IMDB
+One machine:
+    torchrun --nproc-per-node 2 bench_ddp_transformer.py --chunks 4
+One replica, no GPU, no data (the synthetic corpus; the model still split in 2 parts on the CPU):
+    python bench_ddp_transformer.py
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import warnings
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+# torch 2.3's DDP warns about its own internal use of the gloo backend object; nothing a user can act on
+warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+
+import check_topology
+import idr_torch
+
+CACHE_FORMAT = 2  # bump when the tokenised cache layout changes
+CKPT_FORMAT = "bench_ddp_transformer/1"
+
+
+class RunError(Exception):
+    """A user-facing error: one line that names the value and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# arguments: None means "the GPU or CPU default" (check_topology.GPU_DEFAULTS / CPU_DEFAULTS)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--nlayers", type=int, help="Layer blocks (GPU 16, CPU 4)")
+    a("--d-model", type=int, help="width (GPU 1024, CPU 64)")
+    a("--n-head", type=int, help="attention heads (GPU 16, CPU 4)")
+    a("--d-hid", type=int, help="feed-forward width (GPU 4096, CPU 128)")
+    a("--dropout", type=float, help="(GPU 0.1, CPU 0: on the CPU the masks cost as much as the matmuls)")
+    a("--seq-len", type=int, help="tokens per review (GPU 256, CPU 64)")
+    a("--vocab-size", type=int, help="vocabulary incl. <pad>,<unk> (GPU 30000, CPU 2000)")
+    a("--chunks", type=int, help="micro-batches per batch: 1 = naive model parallel (GPU 4, CPU 2)")
+    a("--batch-size", type=int, help="samples per step per replica (task) (GPU 64, CPU 32)")
+    a("--nb-part", type=int, help="GPUs per replica (default: the page's GPUs per node // tasks per node; CPU 2)")
+    a("--engine", choices=check_topology.ENGINES, default="auto",
+      help="auto: torch-pipe on torch <= 2.3, else fairscale")
+    a("--epochs", type=int, default=3)
+    a("--max-steps", type=int, default=0, help="stop after this many steps in all (0: no limit)")
+    a("--warmup-steps", type=int, default=3, help="steps left out of the timing (allocator, autotuning)")
+    a("--lr", type=float, default=1e-3)
+    a("--seed", type=int, default=1234)
+    a("--data-dir", help="aclImdb/ or aclImdb_v1.tar.gz, or a folder holding one (default $DSDIR/IMDB)")
+    a("--cache-dir", help="where the tokenised corpus is cached (default $SCRATCH, else the data's folder "
+      "if writable, else ./.cache)")
+    a("--synthetic", type=int, default=0, help="N synthetic reviews instead of IMDB (default when no data: 4000)")
+    a("--workers", type=int, default=-1, help="DataLoader workers (-1: from cpus_per_task on GPU, 0 on CPU)")
+    a("--timeout", type=float, default=600, help="seconds before a collective with a dead rank gives up")
+    a("--log-every", type=float, default=30, help="seconds between progress lines within an epoch")
+    a("--json-out", help="append one JSON line with the configuration and results (rank 0)")
+    a("--save", help="write the checkpoint here after each epoch (rank 0, atomically)")
+    a("--load", help="start from this checkpoint (every rank loads it)")
+    return p.parse_args(argv)
+
+
+def log(*msg: object) -> None:
+    """Print from rank 0 only (Slurm merges every task's stdout into one file)."""
+    if idr_torch.rank == 0:
+        print(*msg, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model of the page: Encoder on the task's first GPU, Layer blocks split by the plan, Decoder on its last
+class Encoder(nn.Module):
+    """Token embedding + sinusoidal positions."""
+
+    def __init__(self, ntokens: int, d_model: int, dropout: float, seq_len: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(ntokens, d_model)
+        self.scale = math.sqrt(d_model)
+        position = torch.arange(seq_len).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(seq_len, d_model)
+        pe[:, 0::2] = torch.sin(position * div)
+        pe[:, 1::2] = torch.cos(position * div)
+        self.register_buffer("pe", pe, persistent=False)  # derived, not saved
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.size(1)])
+
+
+def Layer(d_model: int, n_head: int, d_hid: int, dropout: float) -> nn.Module:
+    """One transformer block (batch first: Pipe cuts micro-batches along dim 0)."""
+    return nn.TransformerEncoderLayer(d_model, n_head, d_hid, dropout, batch_first=True)
+
+
+class Decoder(nn.Module):
+    """Mean over positions, then a 2-class head (negative / positive review)."""
+
+    def __init__(self, d_model: int, d_hid: int, nclasses: int = 2) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(d_model, d_hid), nn.ReLU(), nn.Linear(d_hid, nclasses))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.mean(dim=1))
+
+
+def build_module_list(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> list[nn.Sequential]:
+    """The page's loop, with the plan's balanced split: one nn.Sequential per part, each on its device.
+    Modules are created in the same order whatever the split, so one seed gives one model."""
+    module_list, tmp_list = [], [Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len).to(plan.device(0))]
+    layer_part = plan.layer_part
+    for i in range(cfg.nlayers):
+        transformer_block = Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout)
+        if i > 0 and layer_part[i] != layer_part[i - 1]:
+            module_list.append(nn.Sequential(*tmp_list))
+            tmp_list = []
+        tmp_list.append(transformer_block.to(plan.device(layer_part[i])))
+    # with nlayers % nb_part == 0 every part has layers; the checker refuses nlayers < nb_part
+    tmp_list.append(Decoder(cfg.d_model, cfg.d_hid).to(plan.device(plan.nb_part - 1)))
+    module_list.append(nn.Sequential(*tmp_list))
+    return module_list
+
+
+def pick_engine(requested: str) -> str:
+    legacy = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) <= (2, 3)
+    if requested == "torch-pipe" and not legacy:
+        raise RunError(f"--engine torch-pipe needs torch <= 2.3 (torch.distributed.pipeline was removed in 2.4) "
+                       f"but this is torch {torch.__version__}; use --engine fairscale (or auto)")
+    engine = ("torch-pipe" if legacy else "fairscale") if requested == "auto" else requested
+    if engine == "fairscale":
+        try:
+            import fairscale.nn  # noqa: F401
+        except ImportError:
+            raise RunError("--engine fairscale needs fairscale: pip install fairscale"
+                           + ("" if not legacy else ", or use --engine torch-pipe")) from None
+    return engine
+
+
+class PipeModel(nn.Sequential):
+    """The page's `Pipe(nn.Sequential(*module_list), chunks, checkpoint="never")`.
+
+    It *is* that nn.Sequential for DDP and for state_dict() (keys '0.0.embedding.weight', '1.3.linear1.bias',
+    ... whatever the engine), and runs forward through the engine's Pipe, which shares its modules.
+    checkpoint="never" because checkpointing recomputes the forward inside backward, which DDP's hooks don't
+    expect; the price is the memory of every micro-batch's activations.
+    """
+
+    def __init__(self, module_list: list[nn.Sequential], engine: str, chunks: int,
+                 devices: list[str]) -> None:
+        super().__init__(*module_list)
+        before = set(threading.enumerate())
+        if engine == "torch-pipe":
+            from torch.distributed.pipeline.sync import Pipe
+            pipe = Pipe(nn.Sequential(*module_list), chunks=chunks, checkpoint="never")
+        else:
+            from fairscale.nn import Pipe
+            with warnings.catch_warnings():  # "upstreamed to PyTorch": not on torch >= 2.4, it was removed
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pipe = Pipe(nn.Sequential(*module_list), balance=[1] * len(module_list), devices=devices,
+                            chunks=chunks, checkpoint="never")
+        object.__setattr__(self, "pipe", pipe)  # not a registered child: parameters and keys stay ours
+        self.engine = engine
+        self.workers = [t for t in threading.enumerate() if t not in before]  # the Pipe's per-device threads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.pipe(tokens)
+        return out.local_value() if self.engine == "torch-pipe" else out  # torch's Pipe returns an RRef
+
+    def close(self) -> None:
+        """Stop the Pipe's worker threads now, before the interpreter exits.
+
+        Both engines run one worker thread per device. fairscale stops them only in Pipeline.__del__, torch
+        2.3 never (daemon threads). A worker keeps its last task in its frame, which keeps the pipeline alive,
+        so __del__ never runs: at exit the process hangs, or a daemon worker still running when the interpreter
+        finalises aborts it with "terminate called without an active exception" (seen with fairscale 0.4.13 on
+        torch 2.13). None is the workers' own stop signal and (False, None) their last reply; then we join them."""
+        pipe = self.__dict__.pop("pipe", None)
+        pipeline = getattr(pipe, "pipeline", None)
+        if pipeline is not None:
+            for q in set(getattr(pipeline, "in_queues", [])):
+                q.put(None)
+            for q in set(getattr(pipeline, "out_queues", [])):
+                while q.get(timeout=60) != (False, None):
+                    pass
+            pipeline.in_queues, pipeline.out_queues = [], []  # nothing left for fairscale's __del__ to join
+        for t in self.workers:
+            t.join(timeout=60)
+        self.workers = []
+        del pipe, pipeline
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data: IMDB from a local folder or tarball (compute nodes have no internet), else a learnable synthetic corpus
+_PATTERNS = [(re.compile(p), r) for p, r in [
+    (r"\'", " '  "), (r"\"", ""), (r"\.", " . "), (r"<br \/>", " "), (r",", " , "), (r"\(", " ( "), (r"\)", " ) "),
+    (r"\!", " ! "), (r"\?", " ? "), (r"\;", " "), (r"\:", " "), (r"\s+", " ")]]
+SPECIALS = ["<pad>", "<unk>"]
+
+
+def basic_english(line: str) -> list[str]:
+    """torchtext's basic_english tokenizer, for torch versions where torchtext can't load (it agrees token for
+    token; a legacy-lane test checks it)."""
+    line = line.lower()
+    for pattern, repl in _PATTERNS:
+        line = pattern.sub(repl, line)
+    return line.split()
+
+
+def build_vocab(token_lists: list[list[str]], max_tokens: int) -> list[str]:
+    """build_vocab_from_iterator(specials=["<pad>", "<unk>"], max_tokens=...): by frequency, ties A-Z."""
+    counter = Counter()
+    for tokens in token_lists:
+        counter.update(tokens)
+    ranked = sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))[: max_tokens - len(SPECIALS)]
+    return SPECIALS + [w for w, _ in ranked if w not in SPECIALS]
+
+
+def get_tokenizer() -> tuple[str, object]:
+    """torchtext's basic_english where torchtext loads (the torch 2.3 lane), else the equivalent above."""
+    try:
+        from torchtext.data.utils import get_tokenizer as torchtext_tokenizer
+        return "torchtext", torchtext_tokenizer("basic_english")
+    except (ImportError, OSError, RuntimeError):  # not installed, or its C++ library doesn't load on torch >= 2.4
+        return "builtin", basic_english
+
+
+def make_vocab(tokenizer: str, token_lists: list[list[str]], max_tokens: int) -> list[str]:
+    if tokenizer == "torchtext":
+        from torchtext.vocab import build_vocab_from_iterator
+        return build_vocab_from_iterator(token_lists, specials=SPECIALS, max_tokens=max_tokens).get_itos()
+    return build_vocab(token_lists, max_tokens)
+
+
+def encode(token_lists: list[list[str]], itos: list[str], seq_len: int) -> torch.Tensor:
+    stoi = {w: i for i, w in enumerate(itos)}
+    out = torch.zeros(len(token_lists), seq_len, dtype=torch.int32)  # 0 = <pad>
+    for row, tokens in enumerate(token_lists):
+        ids = [stoi.get(w, 1) for w in tokens[:seq_len]]
+        if ids:
+            out[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return out
+
+
+def find_imdb(data_dir: str) -> Path:
+    """The aclImdb/ folder or aclImdb_v1.tar.gz that data_dir is or holds."""
+    root = Path(data_dir).expanduser()
+    for cand in (root, root / "aclImdb", root / "IMDB" / "aclImdb"):
+        if (cand / "train").is_dir() and (cand / "test").is_dir():
+            return cand
+    for cand in (root, root / "aclImdb_v1.tar.gz", root / "IMDB" / "aclImdb_v1.tar.gz"):
+        if cand.is_file() and cand.name.endswith((".tar.gz", ".tgz", ".tar")):
+            return cand
+    if not root.exists():
+        raise RunError(f"--data-dir {data_dir} does not exist; give the folder holding aclImdb/ or "
+                       "aclImdb_v1.tar.gz, or leave --data-dir out to use the synthetic corpus")
+    raise RunError(f"--data-dir {data_dir} holds neither aclImdb/ (with train/ and test/) nor aclImdb_v1.tar.gz; "
+                   "download it once on a login node (https://ai.stanford.edu/~amaas/data/sentiment/)")
+
+
+def read_imdb(source: Path) -> dict[str, tuple[list[str], list[int]]]:
+    """{'train': (texts, labels), 'test': (...)} with label 1 = pos, in a fixed (sorted) order."""
+    found: dict[str, list[tuple[str, int, str]]] = {"train": [], "test": []}
+    pattern = re.compile(r"(?:^|/)(train|test)/(pos|neg)/[^/]+\.txt$")
+    if source.is_dir():
+        for split in ("train", "test"):
+            for label in ("neg", "pos"):
+                folder = source / split / label
+                if not folder.is_dir():
+                    raise RunError(f"{folder} is missing: {source} is not a complete aclImdb folder")
+                for f in sorted(folder.glob("*.txt")):
+                    try:
+                        text = f.read_text(encoding="utf-8", errors="replace")
+                    except OSError as exc:
+                        raise RunError(f"cannot read review {f}: {exc.strerror}; fix its permissions or "
+                                       "re-extract aclImdb") from None
+                    found[split].append((f.name, int(label == "pos"), text))
+    else:
+        try:
+            with tarfile.open(source) as tar:
+                for member in tar:
+                    m = pattern.search(member.name)
+                    if m and member.isfile():
+                        text = tar.extractfile(member).read().decode("utf-8", errors="replace")
+                        found[m.group(1)].append((member.name, int(m.group(2) == "pos"), text))
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise RunError(f"cannot read {source}: {exc}; re-download aclImdb_v1.tar.gz") from None
+    for split, items in found.items():
+        if not items:
+            raise RunError(f"{source} has no {split}/pos or {split}/neg reviews")
+        items.sort(key=lambda t: (t[1], t[0]))
+    return {s: ([t for _, _, t in items], [y for _, y, _ in items]) for s, items in found.items()}
+
+
+def synthetic_imdb(n: int, seed: int) -> dict[str, tuple[list[str], list[int]]]:
+    """IMDB-like reviews whose label is learnable: filler words plus, now and then, words of the review's
+    sentiment (and a little of the other, so it is not trivial)."""
+    rng = random.Random(seed)
+    filler = [f"w{i}" for i in range(1500)] + ["the", "a", "movie", "film", "plot", "actor", "scene", "and"]
+    good = ["great", "wonderful", "superb", "loved", "brilliant", "moving", "best", "fun"]
+    bad = ["awful", "boring", "worst", "waste", "terrible", "dull", "hated", "poor"]
+
+    def review(label: int) -> str:
+        mine, other = (good, bad) if label else (bad, good)
+        words = []
+        for _ in range(rng.randint(40, 120)):
+            r = rng.random()
+            words.append(rng.choice(mine) if r < 0.10 else rng.choice(other) if r < 0.12 else rng.choice(filler))
+        return " ".join(words).capitalize() + "."
+
+    ntest = max(n // 4, 64)
+    out = {}
+    for split, count in (("train", n), ("test", ntest)):
+        labels = [i % 2 for i in range(count)]
+        out[split] = ([review(y) for y in labels], labels)
+    return out
+
+
+def cache_key(cfg: argparse.Namespace, source: Path | None) -> str:
+    h = hashlib.sha256(f"{CACHE_FORMAT}|{cfg.vocab_size}|{cfg.seq_len}|{cfg.synthetic}|{cfg.seed}".encode())
+    if source is not None:
+        st = source.stat()
+        h.update(f"{source.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode())
+        if source.is_dir():
+            for split in ("train", "test"):
+                for label in ("neg", "pos"):
+                    d = source / split / label
+                    h.update(f"{d}|{d.stat().st_mtime_ns if d.exists() else 0}".encode())
+    return h.hexdigest()[:16]
+
+
+def atomic_torch_save(obj: object, path: Path) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename: readers see the old file or the new
+    one, never half of one, even if this process is killed mid-write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def data_source(cfg: argparse.Namespace) -> Path | None:
+    """The IMDB source to read, or None for the synthetic corpus; a bad --data-dir fails here, before any
+    process group exists."""
+    if cfg.synthetic:
+        return None
+    if cfg.data_dir:
+        return find_imdb(cfg.data_dir)
+    dsdir = os.environ.get("DSDIR")
+    if dsdir and Path(dsdir, "IMDB").exists():
+        return find_imdb(os.path.join(dsdir, "IMDB"))
+    cfg.synthetic = 4000
+    log(f"notice: no IMDB data (--data-dir not given{', and no $DSDIR/IMDB' if dsdir else ''}): training on "
+        f"{cfg.synthetic} synthetic reviews whose labels are learnable. Nothing is downloaded.")
+    return None
+
+
+def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dict:
+    """Tokenised tensors, built once by rank 0 and cached; the other ranks wait, then load the cache."""
+    cache_dir = Path(cfg.cache_dir or os.environ.get("SCRATCH") or
+                     (source.parent if source is not None and os.access(source.parent, os.W_OK) else ".cache"))
+    name = "synthetic" if source is None else "imdb"
+    cache = cache_dir / f"{name}-{cache_key(cfg, source)}.pt"
+
+    def build() -> dict:
+        t0 = time.time()
+        raw = read_imdb(source) if source is not None else synthetic_imdb(cfg.synthetic, cfg.seed)
+        tokenizer, tokenize = get_tokenizer()
+        train_tokens = [tokenize(t) for t in raw["train"][0]]
+        itos = make_vocab(tokenizer, train_tokens, cfg.vocab_size)  # from the training split only
+        data = {"format": CACHE_FORMAT, "tokenizer": tokenizer, "itos": itos,
+                "train_x": encode(train_tokens, itos, cfg.seq_len),
+                "train_y": torch.tensor(raw["train"][1], dtype=torch.int64),
+                "test_x": encode([tokenize(t) for t in raw["test"][0]], itos, cfg.seq_len),
+                "test_y": torch.tensor(raw["test"][1], dtype=torch.int64)}
+        try:
+            atomic_torch_save(data, cache)
+            log(f"data: tokenised {len(raw['train'][0])}+{len(raw['test'][0])} reviews ({tokenizer} tokenizer) "
+                f"in {time.time() - t0:.1f}s, cached in {cache}")
+        except OSError as exc:
+            log(f"notice: cannot write the cache {cache} ({exc.strerror}); every run will tokenise again")
+        return data
+
+    def read() -> dict | None:
+        try:
+            data = torch.load(cache, map_location="cpu", weights_only=True)
+            if data.get("format") == CACHE_FORMAT and len(data["train_x"]) == len(data["train_y"]):
+                return data
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # truncated or corrupt: rebuild rather than crash
+            log(f"notice: the cache {cache} is unreadable ({type(exc).__name__}); rebuilding it")
+        return None
+
+    data = None
+    if idr_torch.rank == 0:
+        data = read() or build()
+    if world > 1:
+        dist.barrier()
+    if data is None:
+        data = read() or build()  # the cache folder may not be shared between nodes: build here then
+    return data
+
+
+class BatchTensors(torch.utils.data.Dataset):
+    """Indexed by a whole batch of indices: one gather per batch instead of B small ones and a collate."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(idx)
+        return self.x[idx].long(), self.y[idx]
+
+
+def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, world: int, rank: int, train: bool,
+                seed: int, workers: int, pin: bool) -> torch.utils.data.DataLoader:
+    sampler = torch.utils.data.DistributedSampler(BatchTensors(x, y), num_replicas=world, rank=rank, shuffle=train,
+                                                  seed=seed, drop_last=train)
+    batches = torch.utils.data.BatchSampler(sampler, batch, drop_last=train)
+    return torch.utils.data.DataLoader(BatchTensors(x, y), sampler=batches, batch_size=None, num_workers=workers,
+                                       pin_memory=pin, persistent_workers=workers > 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# setup: who am I, what is my plan, the process group
+def resolve(cfg: argparse.Namespace, cuda: bool) -> None:
+    defaults = check_topology.GPU_DEFAULTS if cuda else check_topology.CPU_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(cfg, k) is None:
+            setattr(cfg, k, v)
+
+
+def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
+    """This task's plan from check_topology, and its verdict on the arguments: errors stop us here, before
+    init_process_group, with the same message the pre-flight check gives."""
+    launch = idr_torch.current()
+    env_ids = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if cuda:
+        count = torch.cuda.device_count()
+        visible = env_ids if len(env_ids) == count else [str(i) for i in range(count)]
+    else:  # CPU fallback: mirror the layout of the GPUs Slurm gave (if any), every part on the CPU
+        visible = [] if env_ids in ([], ["-1"], ["NoDevFiles"]) else env_ids
+    gon = os.environ.get("SLURM_GPUS_ON_NODE", "").strip() if launch.launcher == "slurm" else ""
+    findings = check_topology.Findings()
+    plan = check_topology.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size,
+                                    visible, int(gon) if gon.isdigit() else None, cfg.nlayers, cfg.nb_part,
+                                    findings)
+    plan.cpu = plan.cpu or not cuda
+    check_topology.check_training(plan.nb_part, check_topology.Training(
+        nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size, engine=cfg.engine, nb_part=cfg.nb_part),
+        findings)
+    for f in findings:
+        if f.level == "warning":
+            log(f"check_topology: {f}")
+    errors = findings.errors
+    if errors:
+        raise RunError("; ".join(f"{f.code}: {f.message}" for f in errors))
+    if cfg.n_head < 1 or cfg.d_model % cfg.n_head:
+        raise RunError(f"--d-model ({cfg.d_model}) must be a multiple of --n-head ({cfg.n_head}); "
+                       f"try --n-head {max(d for d in check_topology.divisors(cfg.d_model) if d <= cfg.n_head)}")
+    if cfg.d_model % 2:
+        raise RunError(f"--d-model ({cfg.d_model}) must be even (sinusoidal positions)")
+    if cfg.vocab_size <= len(SPECIALS):
+        raise RunError(f"--vocab-size ({cfg.vocab_size}) must be larger than {len(SPECIALS)}")
+    return plan
+
+
+def check_save_path(path: str | None) -> None:
+    """Fail before training, not after an hour of it: really create (and remove) a file beside the target."""
+    if not path:
+        return
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise RunError(f"--save {path}: folder {folder} does not exist; create it or choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise RunError(f"--save {path}: cannot write in {folder} ({exc.strerror}); choose a path under $WORK or "
+                       "$SCRATCH") from None
+
+
+def cpu_threads(launch: idr_torch.Launch) -> int:
+    """This task's share of the cores: its own when Slurm bound it, else the node's split between its tasks
+    (N tasks each using every core would oversubscribe the node)."""
+    avail = len(os.sched_getaffinity(0))
+    share = max(1, avail // launch.local_world_size)
+    cpt = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
+    if cpt.isdigit() and avail <= int(cpt):
+        return avail  # bound to its own cores
+    return min(int(cpt), share) if cpt.isdigit() else share
+
+
+def init_distributed(timeout: float, cuda: bool) -> None:
+    idr_torch.export_env()  # MASTER_ADDR/PORT (kept if already set), RANK, WORLD_SIZE, LOCAL_RANK
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", world_size=idr_torch.size,
+                            rank=idr_torch.rank, timeout=timedelta(seconds=timeout))
+
+
+def init_rpc_for_pipe() -> tempfile.NamedTemporaryFile:
+    """torch <= 2.3's Pipe needs RPC in the process, even alone: the page's per-process file:// store.
+    _transports=["shm", "uv"] as on Jean Zay (no "ibv"); CUDA channels only where CUDA exists."""
+    import torch.distributed.rpc as rpc
+    tmpfile = tempfile.NamedTemporaryFile()
+    channels = ["cuda_ipc", "cuda_basic", "basic"] if torch.cuda.is_available() else ["basic"]
+    rpc.init_rpc(name="worker", rank=0, world_size=1, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+        init_method=f"file://{tmpfile.name}", _transports=["shm", "uv"], _channels=channels))
+    return tmpfile
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints: the page's model.module.state_dict() (no "module." prefix), plus what resuming needs
+def layout_of(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> dict:
+    return {"nb_part": plan.nb_part, "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head,
+            "d_hid": cfg.d_hid, "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
+            "part_sizes": check_topology.part_sizes(cfg.nlayers, plan.nb_part)}
+
+
+def save_checkpoint(path: str, ddp_mp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                    epoch: int, step: int, cfg: argparse.Namespace, plan: check_topology.TaskPlan,
+                    engine: str) -> None:
+    state = {"format": CKPT_FORMAT, "model": {k: v.cpu() for k, v in ddp_mp_model.module.state_dict().items()},
+             "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step, "layout": layout_of(cfg, plan),
+             "engine": engine, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+             "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}}
+    atomic_torch_save(state, Path(path).expanduser())
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: argparse.Namespace,
+                    plan: check_topology.TaskPlan) -> dict:
+    try:
+        state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise RunError(f"--load {path}: no such file") from None
+    except Exception as exc:
+        raise RunError(f"--load {path} is not a readable checkpoint ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0][:120]}); it may be truncated: use an earlier one") from None
+    if not isinstance(state, dict) or state.get("format") != CKPT_FORMAT:
+        raise RunError(f"--load {path} is not a checkpoint written by bench_ddp_transformer.py --save")
+    mine, theirs = layout_of(cfg, plan), state["layout"]
+    if mine != theirs:
+        diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
+        raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
+                       f"(e.g. --nb-part {theirs['nb_part']} --nlayers {theirs['nlayers']})")
+    model.load_state_dict(state["model"])  # every key, every shape: strict
+    optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's forward and backward; returns the loss and the logits (detached)."""
+    logits = ddp_mp_model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    return loss.detach(), logits.detach()
+
+
+def synchronize(plan: check_topology.TaskPlan) -> None:
+    if not plan.cpu:
+        for d in plan.devices:
+            torch.cuda.synchronize(d)
+
+
+@torch.no_grad()
+def evaluate(pipe_model: nn.Module, loader, first: str, last: str, world: int) -> float:
+    pipe_model.eval()  # the Pipe directly, not DDP: no collectives per batch
+    stats = torch.zeros(2, dtype=torch.float64, device=last)
+    for x, y in loader:
+        logits = pipe_model(x.to(first, non_blocking=True))
+        stats[0] += (logits.argmax(1) == y.to(last, non_blocking=True)).sum()
+        stats[1] += len(y)
+    pipe_model.train()
+    if world > 1:
+        dist.all_reduce(stats)
+    return (stats[0] / stats[1].clamp(min=1)).item()
+
+
+def peak_gpu_memory(plan: check_topology.TaskPlan) -> float:
+    return max((torch.cuda.max_memory_allocated(d) for d in plan.devices), default=0) / 2**30 if not plan.cpu else 0.0
+
+
+def reduce_max(values: list[float], device: str, world: int) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def replica_divergence(model: nn.Module, device: str, world: int) -> float:
+    """Largest difference between replicas of per-tensor fingerprints (sum, sum of squares, in float64):
+    0.0 when DDP kept every replica identical, which is its whole job."""
+    with torch.no_grad():
+        fp = torch.stack([torch.stack([p.double().sum(), p.double().pow(2).sum()]) for p in model.parameters()])
+    fp = fp.flatten().to(device)
+    if world == 1:
+        return 0.0
+    everyone = [torch.empty_like(fp) for _ in range(world)]
+    dist.all_gather(everyone, fp)
+    return max((e - everyone[0]).abs().max().item() for e in everyone)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    t_start = time.time()
+    cuda = torch.cuda.is_available()
+    resolve(cfg, cuda)
+    launch = idr_torch.current()
+    rank, world = launch.rank, launch.size
+    plan = make_plan(cfg, cuda)
+    engine = pick_engine(cfg.engine)
+    check_save_path(cfg.save)
+    source = data_source(cfg)
+    torch.set_num_threads(cpu_threads(launch))
+    first, last = plan.device(0), plan.device(plan.nb_part - 1)
+
+    init_distributed(cfg.timeout, cuda)
+    rpc_file = init_rpc_for_pipe() if engine == "torch-pipe" else None
+    model = ddp_mp_model = None
+    try:
+        log(f"bench_ddp_transformer: torch {torch.__version__}, engine {engine}, backend "
+            f"{dist.get_backend()}, {world} replica(s) on {launch.num_nodes} node(s), nb_part {plan.nb_part} "
+            f"({'cpu' if plan.cpu else 'GPUs ' + ','.join(plan.gpu_ids)} on rank 0), chunks {cfg.chunks}, "
+            f"batch {cfg.batch_size}/replica ({cfg.batch_size * world} global), world size {world}")
+        log(f"  layers per part {check_topology.part_sizes(cfg.nlayers, plan.nb_part)}: "
+            + " | ".join(f"{plan.device(i)}: {c}" for i, c in enumerate(plan.contents)))
+        data = load_corpus(cfg, source, world)
+        workers = cfg.workers if cfg.workers >= 0 else (min(4, max(0, launch.cpus_per_task - 1)) if cuda else 0)
+        train_loader = make_loader(data["train_x"], data["train_y"], cfg.batch_size, world, rank, True, cfg.seed,
+                                   workers, cuda)
+        test_loader = make_loader(data["test_x"], data["test_y"], cfg.batch_size, world, rank, False, cfg.seed,
+                                  workers, cuda)
+        if len(train_loader) == 0:
+            raise RunError(f"{len(data['train_y'])} training reviews give no full batch of {cfg.batch_size} per "
+                           f"replica x {world} replicas; lower --batch-size or add data")
+
+        torch.manual_seed(cfg.seed)  # same initial weights on every replica (DDP also broadcasts rank 0's)
+        module_list = build_module_list(cfg, plan)
+        model = PipeModel(module_list, engine, cfg.chunks, [plan.device(i) for i in range(plan.nb_part)])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        start_epoch, step = 0, 0
+        if cfg.load:
+            state = load_checkpoint(cfg.load, model, optimizer, cfg, plan)
+            start_epoch, step = state["epoch"], state["step"]
+            log(f"loaded {cfg.load}: epoch {start_epoch}, step {step}")
+        # No device_ids / output_device: the module spans several devices (the page's "Important").
+        ddp_mp_model = DistributedDataParallel(model)
+        torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ between replicas
+        nparams = sum(p.numel() for p in model.parameters())
+        log(f"  model: {nparams / 1e6:.2f} M parameters; {len(train_loader)} steps per epoch")
+
+        history = []
+        for epoch in range(start_epoch, cfg.epochs):
+            train_loader.sampler.sampler.set_epoch(epoch)
+            stats = torch.zeros(3, dtype=torch.float64, device=last)  # loss sum, correct, seen
+            timed_steps, t0, t_last_log, t_epoch = 0, None, time.time(), time.time()
+            for i, (x, y) in enumerate(train_loader):
+                if i == cfg.warmup_steps:
+                    synchronize(plan)
+                    t0 = time.time()
+                x, y = x.to(first, non_blocking=True), y.to(last, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                loss, logits = forward_backward(ddp_mp_model, x, y)
+                optimizer.step()
+                # accumulate on the device: no .item() (a host sync) in the timed loop
+                stats[0] += loss * len(y)
+                stats[1] += (logits.argmax(1) == y).sum()
+                stats[2] += len(y)
+                step += 1
+                timed_steps += int(t0 is not None)
+                if rank == 0 and time.time() - t_last_log > cfg.log_every:
+                    t_last_log = time.time()
+                    log(f"  epoch {epoch + 1} step {i + 1}/{len(train_loader)} loss "
+                        f"{(stats[0] / stats[2]).item():.4f} ({time.time() - t_epoch:.0f}s)")
+                if cfg.max_steps and step >= cfg.max_steps:
+                    break
+            synchronize(plan)
+            t_end = time.time()
+            if world > 1:
+                dist.all_reduce(stats)
+            epoch_time = t_end - t_epoch
+            timed = t_end - t0 if t0 is not None and timed_steps else None
+            samples_per_s = timed_steps * cfg.batch_size * world / timed if timed else None
+            test_acc = evaluate(model, test_loader, first, last, world)
+            peak_gb, rss_gb = reduce_max([peak_gpu_memory(plan), psutil.Process().memory_info().rss / 2**30],
+                                         last, world)
+            row = {"epoch": epoch + 1, "steps": i + 1, "loss": stats[0].item() / max(stats[2].item(), 1),
+                   "train_acc": stats[1].item() / max(stats[2].item(), 1), "test_acc": test_acc,
+                   "epoch_time_s": epoch_time, "samples_per_s": samples_per_s, "timed_steps": timed_steps,
+                   "peak_gpu_mem_gb": peak_gb if not plan.cpu else None, "host_rss_gb": rss_gb}
+            history.append(row)
+            log(f"epoch {row['epoch']:3d} | steps {row['steps']:5d} | loss {row['loss']:.4f} | train acc "
+                f"{row['train_acc']:.3f} | test acc {test_acc:.3f} | {epoch_time:7.1f}s | "
+                + (f"{samples_per_s:9.1f} samples/s" if samples_per_s else "   (too few steps to time)")
+                + (f" | peak GPU mem {peak_gb:.2f} GiB" if not plan.cpu else "") + f" | host RSS {rss_gb:.2f} GiB")
+            if cfg.save and rank == 0:
+                save_checkpoint(cfg.save, ddp_mp_model, optimizer, epoch + 1, step, cfg, plan, engine)
+            if cfg.max_steps and step >= cfg.max_steps:
+                break
+
+        divergence = replica_divergence(model, last, world)
+        log(f"replicas in sync: max parameter fingerprint difference {divergence:.3g} over {world} replica(s)")
+        if history:
+            timed_rows = [r for r in history if r["samples_per_s"]]
+            best = max((r["samples_per_s"] for r in timed_rows), default=None)
+            log(f"summary: {world} replica(s) x nb_part {plan.nb_part}, chunks {cfg.chunks}, batch "
+                f"{cfg.batch_size}/replica: " + (f"{best:.1f} samples/s (best epoch), " if best else "")
+                + f"final test acc {history[-1]['test_acc']:.3f}, total {time.time() - t_start:.1f}s")
+            if cfg.json_out and rank == 0:
+                record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, "engine": engine,
+                          "backend": dist.get_backend(), "device": "cuda" if cuda else "cpu",
+                          "gpu_name": torch.cuda.get_device_name(plan.devices[0]) if cuda else None,
+                          "nodes": launch.num_nodes, "tasks": world, "tasks_per_node": launch.local_world_size,
+                          "world_size": world, "nb_part": plan.nb_part, "chunks": cfg.chunks,
+                          "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * world,
+                          "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head, "d_hid": cfg.d_hid,
+                          "seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size,
+                          "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
+                          "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
+                          "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"],
+                          "host_rss_gb": history[-1]["host_rss_gb"], "test_acc": history[-1]["test_acc"],
+                          "replica_divergence": divergence,
+                          "epochs": history}
+                with open(cfg.json_out, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        return 0
+    finally:
+        if model is not None:
+            model.close()
+        del ddp_mp_model, model
+        gc.collect()
+        if rpc_file is not None:
+            import torch.distributed.rpc as rpc
+            rpc.shutdown(graceful=False)
+            rpc_file.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (RunError, idr_torch.LaunchError) as exc:
+        # every rank reaches the same verdict: say it once
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
+        if rank == 0 or isinstance(exc, idr_torch.LaunchError):
+            print(f"bench_ddp_transformer: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,71 @@
+"""Start N real processes the way srun would (SLURM_* per task), wait for all, and insist they exit."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# what a test must never inherit from the machine it runs on
+_STRIP = ("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC",
+          "CUDA_VISIBLE_DEVICES", "DSDIR", "SCRATCH")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP)}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
+    env.update(extra)
+    return env
+
+
+def srun_envs(ntasks: int, nodes: int = 1, port: int | None = None, job_id: str = "777") -> list[dict[str, str]]:
+    """SLURM_* of every task of `srun -N nodes -n ntasks --ntasks-per-node ntasks/nodes` on this host."""
+    per_node = ntasks // nodes
+    port = port or free_port()
+    envs = []
+    for rank in range(ntasks):
+        envs.append(clean_env(
+            SLURM_JOB_ID=job_id, SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node),
+            SLURM_NODEID=str(rank // per_node), SLURM_NTASKS=str(ntasks), SLURM_STEP_NUM_TASKS=str(ntasks),
+            SLURM_STEP_TASKS_PER_NODE=f"{per_node}(x{nodes})" if nodes > 1 else str(per_node),
+            SLURM_STEP_NODELIST=",".join(["localhost"] * 1 + [f"127.0.0.{i + 1}" for i in range(1, nodes)]),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    return envs
+
+
+def run_tasks(argv: list[str], envs: list[dict[str, str]], timeout: float = 240, cwd: Path | None = None,
+              python: str | None = None) -> list[subprocess.CompletedProcess]:
+    """Run `python argv...` once per environment; every process must exit within `timeout` seconds."""
+    procs = [subprocess.Popen([python or sys.executable, *argv], env=env, cwd=cwd or ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for env in envs]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError(f"processes still running after {timeout}s: "
+                             f"{[i for i, p in enumerate(procs) if p.returncode in (None, -9)]}")
+    return results
+
+
+def bench(args: list[str], ntasks: int = 1, nodes: int = 1, timeout: float = 240,
+          python: str | None = None, **extra_env: str) -> list[subprocess.CompletedProcess]:
+    envs = srun_envs(ntasks, nodes) if ntasks > 1 or nodes > 1 else [clean_env()]
+    for env in envs:
+        env.update(extra_env)
+    return run_tasks([str(ROOT / "bench_ddp_transformer.py"), *args], envs, timeout=timeout, python=python)
