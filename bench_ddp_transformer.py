@@ -735,10 +735,18 @@ def main(argv: list[str] | None = None) -> int:
                 + (f" | peak GPU mem {peak_gb:.2f} GiB" if not plan.cpu else "") + f" | host RSS {rss_gb:.2f} GiB")
             if cfg.save and rank == 0:
                 save_checkpoint(cfg.save, ddp_mp_model, optimizer, epoch + 1, step, cfg, plan, engine)
+                log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}, step {step})")
             if cfg.max_steps and step >= cfg.max_steps:
                 break
 
         divergence = replica_divergence(model, last, world)
+        plans = [None] * world  # where every replica put its parts, for the record
+        mine = {"rank": rank, "node": launch.node_id, "host": os.uname().nodename, "nb_part": plan.nb_part,
+                "devices": [plan.device(i) for i in range(plan.nb_part)], "gpu_ids": plan.gpu_ids}
+        if world > 1:
+            dist.all_gather_object(plans, mine)
+        else:
+            plans = [mine]
         log(f"replicas in sync: max parameter fingerprint difference {divergence:.3g} over {world} replica(s)")
         if history:
             timed_rows = [r for r in history if r["samples_per_s"]]
@@ -759,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
                           "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
                           "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"],
                           "host_rss_gb": history[-1]["host_rss_gb"], "test_acc": history[-1]["test_acc"],
-                          "replica_divergence": divergence,
+                          "replica_divergence": divergence, "plans": plans,
                           "epochs": history}
                 with open(cfg.json_out, "a") as f:
                     f.write(json.dumps(record) + "\n")

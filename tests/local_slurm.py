@@ -55,6 +55,7 @@ class LocalCluster:
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root).resolve()
         self.conf = self.root / "etc" / "slurm.conf"
+        self.procs: list[subprocess.Popen] = []
 
     @property
     def env(self) -> dict[str, str]:
@@ -165,8 +166,8 @@ class LocalCluster:
 
     def _spawn(self, cmd: list[str], name: str) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")
-        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         env={**os.environ, **self.env}, start_new_session=True)
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env={**os.environ, **self.env}, start_new_session=True))
 
     def stop(self, timeout: float = 20.0) -> None:
         """Stop every daemon this cluster started, by its pid file (never by process name)."""
@@ -191,6 +192,12 @@ class LocalCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        for p in self.procs:  # reap our own children (no zombies left behind)
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs = []
         self._remove_hosts()
 
 

@@ -1,0 +1,200 @@
+"""Against a real Slurm cluster (slurmctld + 5 slurmd + munged on this machine, see local_slurm.py).
+
+The fake GPUs are character devices, so Slurm sets CUDA_VISIBLE_DEVICES as on a real node; they are not
+CUDA, so training runs on the CPU fallback (gloo) with the layout the GPUs would have had.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT, clean_env
+
+pytestmark = pytest.mark.slurm
+SCRIPTS = ("bench_ddp_transformer.py", "check_topology.py", "idr_torch.py")
+TEMPLATES = sorted((ROOT / "slurm").glob("*.slurm"))
+
+
+@pytest.fixture
+def workdir(tmp_path_factory, slurm_cluster) -> Path:
+    """A user's $WORK: the three scripts and the templates, world-traversable for the job's processes."""
+    work = tmp_path_factory.mktemp("work")
+    for name in SCRIPTS:
+        shutil.copy(ROOT / name, work / name)
+    for t in TEMPLATES:
+        shutil.copy(t, work / t.name)
+    return work
+
+
+def slurm_env(cluster, **extra: str) -> dict[str, str]:
+    env = clean_env(**cluster.env)
+    # `python` in the job is this test's interpreter; `module` is a no-op as if Lmod had loaded PyTorch
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env["BASH_FUNC_module%%"] = "() {  :\n}"
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], cluster, cwd: Path, timeout: float = 120, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=slurm_env(cluster, **extra), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_job_files(cwd: Path, prefix: str, job_id: str) -> tuple[str, str]:
+    return ((cwd / f"{prefix}_{job_id}.out").read_text(), (cwd / f"{prefix}_{job_id}.err").read_text())
+
+
+# ---- idr_torch under real srun ------------------------------------------------------------------------------------
+def test_idr_torch_under_srun(slurm_cluster, workdir):
+    r = run(["srun", "-N3", "--ntasks-per-node=2", "python", "idr_torch.py"], slurm_cluster, workdir)
+    assert r.returncode == 0, r.stderr
+    blocks = {int(m.group(1)): m.group(0) for m in re.finditer(r"---- task (\d) of 6 ----\n(?:.*\n){8}", r.stdout)}
+    assert sorted(blocks) == list(range(6))
+    for rank, text in blocks.items():
+        assert f"rank / size   {rank} / 6   (local rank {rank % 2})" in text
+        assert f"node          {rank // 2} of 3" in text
+        assert "node[1-3] -> node1, node2, node3" in text and "per node [2, 2, 2]" in text
+        assert re.search(r"master        node1:\d+", text)
+    assert len(set(re.findall(r"master        (\S+)", r.stdout))) == 1  # every task agrees
+
+
+# ---- the page's 3-node template, submitted and run to the end ---------------------------------------------------
+def test_page_three_node_template_runs(slurm_cluster, workdir):
+    r = run(["sbatch", "--wait", "--parsable", "page_3nodes_4gpus.slurm"], slurm_cluster, workdir, timeout=600)
+    job = r.stdout.strip().split(";")[0]
+    out, err = read_job_files(workdir, "hybrid_3x4", job) if job else ("", r.stderr)
+    assert r.returncode == 0, f"sbatch: {r.stderr}\n--- out\n{out[-3000:]}\n--- err\n{err[-3000:]}"
+    # the pre-flight step checked 6 real tasks, pairs (0,1) and (2,3) on every node
+    assert "6 task(s) = model replicas, nb_part 2" in out and "=> OK" in out
+    assert len(re.findall(r"^\s+\d+\s+\d+\s+[01]\s+(0,1|2,3)\s", out, re.M)) == 6
+    # training: rank 0 alone printed, with world size 6 and nb_part 2
+    assert "world size 6" in out and "nb_part 2" in out
+    assert out.count("summary:") == 1 and len(re.findall(r"^epoch +\d+ \|", out, re.M)) == 2
+    [record] = [json.loads(line) for line in (workdir / "hybrid_results.jsonl").read_text().splitlines()]
+    assert (record["world_size"], record["nodes"], record["nb_part"], record["tasks_per_node"]) == (6, 3, 2, 2)
+    assert record["replica_divergence"] == 0.0
+    assert [p["gpu_ids"] for p in record["plans"]] == [["0", "1"], ["2", "3"]] * 3
+    assert [p["node"] for p in record["plans"]] == [0, 0, 1, 1, 2, 2]
+    # the checkpoint: one file, written by rank 0 only (once per epoch, atomically)
+    assert [p.name for p in workdir.glob("hybrid_3x4_*.pt")] == [f"hybrid_3x4_{job}.pt"]
+    assert out.count("checkpoint saved:") == 2 and not list(workdir.glob(".hybrid_3x4_*"))
+
+
+def test_page_eight_gpu_template_preflight_in_allocation(slurm_cluster, workdir):
+    """2 nodes x 8 GPUs x 4 tasks: each task sees 8 GPUs and owns a pair; checked by srun inside the job."""
+    r = run(["salloc", "--partition=gpu_p2", "-N2", "--gres=gpu:8", "--ntasks-per-node=4", "--cpus-per-task=6",
+             "srun", "python", "check_topology.py", "--nlayers", "16", "--json"], slurm_cluster, workdir)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout[r.stdout.index("{"):])
+    assert report["ok"] and len(report["tasks"]) == 8
+    assert [t["gpu_ids"] for t in report["tasks"]] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]] * 2
+    assert [t["devices"] for t in report["tasks"]] == [[0, 1], [2, 3], [4, 5], [6, 7]] * 2
+
+
+# ---- per-task binding: the checker sees through it and the trainer's plan matches -----------------------------------
+def test_gpus_per_task_binding(slurm_cluster, workdir):
+    common = ["srun", "-N2", "--ntasks-per-node=2", "--gpus-per-task=2"]
+    r = run([*common, "python", "check_topology.py", "--nlayers", "4", "--json"], slurm_cluster, workdir)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout[r.stdout.index("{"):])
+    assert [t["gpu_ids"] for t in report["tasks"]] == [["0", "1"], ["2", "3"]] * 2  # what Slurm showed each task
+    assert [t["devices"] for t in report["tasks"]] == [[0, 1]] * 4  # from visible GPU 0, never past 2
+    assert all(t["bound"] for t in report["tasks"])
+    assert any("the page's own indexing" in n for n in report["notes"])
+    r = run([*common, "python", "bench_ddp_transformer.py", "--nlayers", "4", "--synthetic", "600", "--epochs", "1",
+             "--batch-size", "16", "--cache-dir", str(workdir), "--json-out", "bound.jsonl"], slurm_cluster, workdir,
+            timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    [record] = [json.loads(line) for line in (workdir / "bound.jsonl").read_text().splitlines()]
+    trainer = [(p["gpu_ids"], p["nb_part"]) for p in record["plans"]]
+    assert trainer == [(t["gpu_ids"], t["nb_part"]) for t in report["tasks"]]
+
+
+# ---- uneven tasks per node ---------------------------------------------------------------------------------------
+def test_uneven_tasks_per_node_reported(slurm_cluster, workdir):
+    r = run(["srun", "-N3", "-n5", "--gres=gpu:4", "python", "check_topology.py", "--nlayers", "8"], slurm_cluster,
+            workdir)
+    assert r.returncode == 1
+    assert "uneven-tasks-per-node" in r.stdout
+    m = re.search(r"tasks per node differ \(([\d,]+)\)", r.stdout)
+    assert m and sorted(map(int, m.group(1).split(","))) != [2, 2, 1][:0] and sum(map(int, m.group(1).split(","))) == 5
+    script = workdir / "uneven.slurm"
+    script.write_text("#!/bin/bash\n#SBATCH -N 3\n#SBATCH -n 5\n#SBATCH --gres=gpu:4\n"
+                      "srun python bench_ddp_transformer.py --nlayers 8\n")
+    r = run([sys.executable, "check_topology.py", str(script)], slurm_cluster, workdir)
+    assert r.returncode == 1 and "ntasks-per-node-missing" in r.stdout
+
+
+# ---- sbatch --test-only and check_topology agree -------------------------------------------------------------------
+REQUESTS = [  # (sbatch options, can Slurm place it)
+    (["-C", "v100-32g", "-N3", "--gres=gpu:4", "--ntasks-per-node=2", "--cpus-per-task=20"], True),
+    (["--partition=gpu_p2", "-N2", "--gres=gpu:8", "--ntasks-per-node=4", "--cpus-per-task=6"], True),
+    (["-C", "v100-32g", "-N1", "--gres=gpu:4", "--ntasks-per-node=4", "--cpus-per-task=10"], True),
+    (["-C", "v100-32g", "-N1", "--gres=gpu:8", "--ntasks-per-node=4", "--cpus-per-task=10"], False),
+    (["--partition=gpu_p2", "-N1", "--gres=gpu:8", "--ntasks-per-node=4", "--cpus-per-task=10"], False),
+    (["-C", "v100-32g", "-N1", "--gres=gpu:4", "--ntasks-per-node=2", "--cpus-per-task=40"], False),
+]
+
+
+@pytest.mark.parametrize("options,placeable", REQUESTS, ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_test_only_agrees_with_checker(slurm_cluster, workdir, options, placeable):
+    script = workdir / "req.slurm"
+    script.write_text(f"#!/bin/bash\n#SBATCH {' '.join(options)}\n"
+                      "#SBATCH --hint=nomultithread --time=1:00:00\nsrun python bench_ddp_transformer.py\n")
+    slurm = run(["sbatch", "--test-only", str(script)], slurm_cluster, workdir)
+    check = run([sys.executable, "check_topology.py", "--json", str(script)], slurm_cluster, workdir)
+    codes = {f["code"] for f in json.loads(check.stdout)["findings"] if f["level"] == "error"}
+    assert (slurm.returncode == 0) == placeable, slurm.stderr
+    if not placeable:
+        assert "Requested node configuration is not available" in slurm.stderr
+    assert bool(codes & {"gpus-exceed-node", "cpus-exceed-node"}) == (not placeable), codes
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+def test_templates_pass_both_checks(slurm_cluster, workdir, template):
+    check = run([sys.executable, "check_topology.py", template.name], slurm_cluster, workdir)
+    assert check.returncode == 0, check.stdout
+    assert "ERROR" not in check.stdout
+    slurm = run(["sbatch", "--test-only", template.name], slurm_cluster, workdir)
+    assert slurm.returncode == 0, slurm.stderr
+    assert "to start at" in slurm.stderr
+
+
+def test_sweep_submit_skips_impossible_counts(slurm_cluster, workdir):
+    (workdir / "slurm").mkdir()
+    for t in ("sweep_4gpus.slurm", "sweep_8gpus.slurm", "submit_sweep.sh"):
+        shutil.copy(ROOT / "slurm" / t, workdir / "slurm" / t)
+    r = run(["bash", "slurm/submit_sweep.sh", "8", "--hold"], slurm_cluster, workdir)
+    assert r.returncode == 0, r.stderr
+    submitted = re.findall(r"^ntasks=(\d+): job (\d+)$", r.stdout, re.M)
+    assert [n for n, _ in submitted] == ["2", "4", "8"]
+    assert sorted(re.findall(r"^skip ntasks=(\d+): ERROR +gpus-not-divisible", r.stdout, re.M)) == ["3", "5", "6",
+                                                                                                   "7"]
+    shown = run(["scontrol", "show", "job", submitted[-1][1]], slurm_cluster, workdir)
+    assert "NumTasks=8" in shown.stdout and "CPUs/Task=3" in shown.stdout
+    subprocess.run(["scancel", *[j for _, j in submitted]], env=slurm_env(slurm_cluster), check=True)
+
+
+def test_cluster_stops_without_leftovers(tmp_path_factory):
+    """A second cluster, started and stopped here: its daemons are gone and /etc/hosts is as before."""
+    from conftest import skip_or_fail
+    from local_slurm import LocalCluster, unavailable_reason
+    if unavailable_reason():
+        skip_or_fail(unavailable_reason(), "KIT_REQUIRE_SLURM")
+    import tempfile
+    hosts_before = Path("/etc/hosts").read_text()
+    cluster = LocalCluster(tempfile.mkdtemp(prefix="kit-slurm-2-"))
+    cluster.start()
+    pids = [int(p.read_text().split()[0]) for p in cluster._pidfiles()]
+    assert len(pids) == 6  # slurmctld + 5 slurmd
+    cluster.stop()
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+    assert Path("/etc/hosts").read_text() == hosts_before
+    shutil.rmtree(cluster.root, ignore_errors=True)
