@@ -20,7 +20,7 @@ test-modern: venv
 # torch 2.3 lane (the documented Pipe, torchtext); where its venv could not be made the tests skip and say why.
 test-legacy: venv
 	if [ -x $(LEGACY)/bin/python ] && [ -f $(LEGACY)/.installed ]; then \
-		$(LEGACY)/bin/python -m pytest -m legacy tests; \
+		$(LEGACY)/bin/python -m pytest -m "legacy or multiproc" tests; \
 	else \
 		$(PY) -m pytest -m legacy tests; \
 	fi

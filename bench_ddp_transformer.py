@@ -23,6 +23,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import tarfile
 import tempfile
@@ -52,6 +53,10 @@ CKPT_FORMAT = "bench_ddp_transformer/1"
 
 class RunError(Exception):
     """A user-facing error: one line that names the value and the fix."""
+
+
+class LostContact(RunError):
+    """A collective failed: each surviving task says so (rank 0 may be the one that died)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--json-out", help="append one JSON line with the configuration and results (rank 0)")
     a("--save", help="write the checkpoint here after each epoch (rank 0, atomically)")
     a("--load", help="start from this checkpoint (every rank loads it)")
+    a("--resume", action="store_true", help="start from the --save file if it exists (a requeued job continues)")
     return p.parse_args(argv)
 
 
@@ -248,6 +254,8 @@ def build_vocab(token_lists: list[list[str]], max_tokens: int) -> list[str]:
 def get_tokenizer() -> tuple[str, object]:
     """torchtext's basic_english where torchtext loads (the torch 2.3 lane), else the equivalent above."""
     try:
+        import torchtext
+        torchtext.disable_torchtext_deprecation_warning()  # we know: 0.18 is its last release
         from torchtext.data.utils import get_tokenizer as torchtext_tokenizer
         return "torchtext", torchtext_tokenizer("basic_english")
     except (ImportError, OSError, RuntimeError):  # not installed, or its C++ library doesn't load on torch >= 2.4
@@ -532,6 +540,8 @@ def cpu_threads(launch: idr_torch.Launch) -> int:
 
 
 def init_distributed(timeout: float, cuda: bool) -> None:
+    if cuda:  # a collective whose peer died fails after `timeout` instead of blocking forever
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     idr_torch.export_env()  # MASTER_ADDR/PORT (kept if already set), RANK, WORLD_SIZE, LOCAL_RANK
     dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", world_size=idr_torch.size,
                             rank=idr_torch.rank, timeout=timedelta(seconds=timeout))
@@ -556,12 +566,24 @@ def layout_of(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> dict:
             "part_sizes": check_topology.part_sizes(cfg.nlayers, plan.nb_part)}
 
 
+def rng_states(world: int) -> list[dict]:
+    """Every rank's random state (dropout masks differ per replica), gathered for rank 0's checkpoint."""
+    mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    if world == 1:
+        return [mine]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def save_checkpoint(path: str, ddp_mp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                    epoch: int, step: int, cfg: argparse.Namespace, plan: check_topology.TaskPlan,
-                    engine: str) -> None:
+                    epoch: int, batch_in_epoch: int, step: int, rngs: list[dict], cfg: argparse.Namespace,
+                    plan: check_topology.TaskPlan, engine: str) -> None:
+    """epoch: epochs fully done; batch_in_epoch: batches done in the next one (a stop inside an epoch)."""
     state = {"format": CKPT_FORMAT, "model": {k: v.cpu() for k, v in ddp_mp_model.module.state_dict().items()},
-             "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step, "layout": layout_of(cfg, plan),
-             "engine": engine, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+             "optimizer": optimizer.state_dict(), "epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step,
+             "layout": layout_of(cfg, plan), "engine": engine, "rng": rngs,
              "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}}
     atomic_torch_save(state, Path(path).expanduser())
 
@@ -582,9 +604,46 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
         raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
                        f"(e.g. --nb-part {theirs['nb_part']} --nlayers {theirs['nlayers']})")
-    model.load_state_dict(state["model"])  # every key, every shape: strict
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        model.load_state_dict(state["model"])  # every key, every shape: strict
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise RunError(f"--load {path} does not fit this model ({str(exc).splitlines()[0][:160]}); rerun with "
+                       f"the options it was saved with: {state.get('args')}") from None
     return state
+
+
+def restore_rng(state: dict, rank: int) -> None:
+    rngs = state.get("rng") or []
+    if len(rngs) > rank:  # same world size: each rank continues its own stream
+        torch.set_rng_state(rngs[rank]["torch"])
+        random.setstate(rngs[rank]["python"])
+        if rngs[rank].get("cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rngs[rank]["cuda"])
+
+
+class StopRequest:
+    """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit) or SIGTERM (scancel, preemption): finish
+    the current step, checkpoint, exit 75. Every rank must stop at the same step, or DDP would wait for the
+    missing ones forever: the flags are OR-ed across ranks after every step, on the CPU (gloo), so the GPU
+    stream is never synchronised for it."""
+    EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the templates requeue on it
+
+    def __init__(self, cuda: bool) -> None:
+        self.signal: str | None = None
+        self.flag = torch.zeros(1)
+        self.group = dist.new_group(backend="gloo") if cuda else None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def agreed(self, world: int) -> bool:
+        self.flag[0] = 1.0 if self.signal else 0.0
+        if world > 1:
+            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(self.flag[0] > 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -640,6 +699,15 @@ def replica_divergence(model: nn.Module, device: str, world: int) -> float:
     return max((e - everyone[0]).abs().max().item() for e in everyone)
 
 
+def is_comm_error(exc: BaseException) -> bool:
+    """A collective failed because a peer died, hung (timeout) or closed its connection."""
+    if isinstance(exc, getattr(dist, "DistBackendError", ())) or isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return any(k in text for k in ("Connection closed", "Connection reset", "connection", "gloo", "NCCL",
+                                   "timed out", "Timed out", "Broken pipe", "TCPStore", "peer"))
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     t_start = time.time()
@@ -678,24 +746,32 @@ def main(argv: list[str] | None = None) -> int:
         module_list = build_module_list(cfg, plan)
         model = PipeModel(module_list, engine, cfg.chunks, [plan.device(i) for i in range(plan.nb_part)])
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        start_epoch, step = 0, 0
-        if cfg.load:
-            state = load_checkpoint(cfg.load, model, optimizer, cfg, plan)
-            start_epoch, step = state["epoch"], state["step"]
-            log(f"loaded {cfg.load}: epoch {start_epoch}, step {step}")
+        start_epoch, skip, step, state = 0, 0, 0, None
+        load = cfg.load or (cfg.save if cfg.resume and cfg.save and Path(cfg.save).expanduser().exists() else None)
+        if load:
+            state = load_checkpoint(load, model, optimizer, cfg, plan)
+            start_epoch, skip, step = state["epoch"], state.get("batch_in_epoch", 0), state["step"]
+            log(f"loaded {load}: epoch {start_epoch}" + (f" + {skip} batches" if skip else "") + f", step {step}")
         # No device_ids / output_device: the module spans several devices (the page's "Important").
         ddp_mp_model = DistributedDataParallel(model)
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ between replicas
+        if state is not None:
+            restore_rng(state, rank)
+        stop = StopRequest(cuda)
         nparams = sum(p.numel() for p in model.parameters())
         log(f"  model: {nparams / 1e6:.2f} M parameters; {len(train_loader)} steps per epoch")
 
-        history = []
+        history, startup_s = [], None
         for epoch in range(start_epoch, cfg.epochs):
             train_loader.sampler.sampler.set_epoch(epoch)
             stats = torch.zeros(3, dtype=torch.float64, device=last)  # loss sum, correct, seen
             timed_steps, t0, t_last_log, t_epoch = 0, None, time.time(), time.time()
             for i, (x, y) in enumerate(train_loader):
-                if i == cfg.warmup_steps:
+                if i < skip:  # resumed inside this epoch: same sampler order, these batches are done
+                    continue
+                if startup_s is None:  # imports, data, model build: what a user waits for before step 1
+                    startup_s = time.time() - psutil.Process().create_time()
+                if i == skip + cfg.warmup_steps:  # counted from the first batch this run trains on
                     synchronize(plan)
                     t0 = time.time()
                 x, y = x.to(first, non_blocking=True), y.to(last, non_blocking=True)
@@ -708,12 +784,26 @@ def main(argv: list[str] | None = None) -> int:
                 stats[2] += len(y)
                 step += 1
                 timed_steps += int(t0 is not None)
+                if stop.agreed(world):
+                    break
                 if rank == 0 and time.time() - t_last_log > cfg.log_every:
                     t_last_log = time.time()
                     log(f"  epoch {epoch + 1} step {i + 1}/{len(train_loader)} loss "
                         f"{(stats[0] / stats[2]).item():.4f} ({time.time() - t_epoch:.0f}s)")
                 if cfg.max_steps and step >= cfg.max_steps:
                     break
+            if stop.flag[0] > 0:  # agreed by every rank at the same step (a signal of its own alone is not)
+                rngs = rng_states(world)
+                if cfg.save and rank == 0:
+                    done_all = i + 1 == len(train_loader)
+                    save_checkpoint(cfg.save, ddp_mp_model, optimizer, epoch + int(done_all),
+                                    0 if done_all else i + 1, step, rngs, cfg, plan, engine)
+                log(f"stopping on {stop.signal or 'a signal to another task'} at epoch {epoch + 1}, "
+                    f"batch {i + 1}/{len(train_loader)}, step {step}: "
+                    + (f"checkpoint saved to {cfg.save}; run again with --resume (the templates requeue) to go on"
+                       if cfg.save else "no --save given, so this progress is lost"))
+                return StopRequest.EXIT_CODE
+            skip = 0
             synchronize(plan)
             t_end = time.time()
             if world > 1:
@@ -733,9 +823,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['train_acc']:.3f} | test acc {test_acc:.3f} | {epoch_time:7.1f}s | "
                 + (f"{samples_per_s:9.1f} samples/s" if samples_per_s else "   (too few steps to time)")
                 + (f" | peak GPU mem {peak_gb:.2f} GiB" if not plan.cpu else "") + f" | host RSS {rss_gb:.2f} GiB")
-            if cfg.save and rank == 0:
-                save_checkpoint(cfg.save, ddp_mp_model, optimizer, epoch + 1, step, cfg, plan, engine)
-                log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}, step {step})")
+            if cfg.save:
+                rngs = rng_states(world)
+                if rank == 0:
+                    save_checkpoint(cfg.save, ddp_mp_model, optimizer, epoch + 1, 0, step, rngs, cfg, plan, engine)
+                    log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}, step {step})")
             if cfg.max_steps and step >= cfg.max_steps:
                 break
 
@@ -767,11 +859,18 @@ def main(argv: list[str] | None = None) -> int:
                           "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
                           "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"],
                           "host_rss_gb": history[-1]["host_rss_gb"], "test_acc": history[-1]["test_acc"],
-                          "replica_divergence": divergence, "plans": plans,
+                          "replica_divergence": divergence, "plans": plans, "startup_s": startup_s,
+                          "total_s": time.time() - psutil.Process().create_time(),
                           "epochs": history}
                 with open(cfg.json_out, "a") as f:
                     f.write(json.dumps(record) + "\n")
         return 0
+    except RuntimeError as exc:
+        if world > 1 and is_comm_error(exc):
+            raise LostContact(f"task {rank} lost contact with the others ({str(exc).splitlines()[0][:200]}): a task "
+                           f"died or hung, so every task stops instead of waiting for the time limit; start "
+                           f"again with --resume to continue from the last checkpoint") from None
+        raise
     finally:
         if model is not None:
             model.close()
@@ -791,6 +890,6 @@ if __name__ == "__main__":
     except (RunError, idr_torch.LaunchError) as exc:
         # every rank reaches the same verdict: say it once
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
-        if rank == 0 or isinstance(exc, idr_torch.LaunchError):
+        if rank == 0 or isinstance(exc, (idr_torch.LaunchError, LostContact)):
             print(f"bench_ddp_transformer: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""The benchmark's results as the page shows them: a table and a throughput-against-chunks figure.
+
+    python slurm/report.py sweep_results.jsonl                 # writes report/sweep.md, .csv, throughput.png
+    python slurm/report.py results.jsonl --out report --title "4 x V100"
+
+Reads the JSON lines bench_ddp_transformer.py --json-out appends (one per run). Runs of the same
+configuration are merged (median samples/s). matplotlib is optional: without it the tables are still written
+and the report says why there is no plot.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+KEY = ("device", "gpus", "tasks", "nb_part", "batch_per_gpu", "batch_size", "chunks", "layout")
+
+
+def kind(tasks: int, nb_part: int) -> str:
+    """The page's three regimes."""
+    if tasks == 1:
+        return "pure model parallel"
+    if nb_part == 1:
+        return "pure data parallel"
+    return "hybrid"
+
+
+def load(paths: list[Path]) -> tuple[list[dict], list[str]]:
+    """Records from JSONL files; malformed lines are reported, not fatal."""
+    records, problems = [], []
+    for path in paths:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise SystemExit(f"report.py: cannot read {path}: {exc.strerror}")
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                r["tasks"], r["nb_part"], r["batch_size"], r["chunks"] = (int(r["tasks"]), int(r["nb_part"]),
+                                                                          int(r["batch_size"]), int(r["chunks"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                problems.append(f"{path}:{n}: skipped ({type(exc).__name__}: {exc})")
+                continue
+            r["gpus"] = r["tasks"] * r["nb_part"]
+            r["batch_per_gpu"] = r["batch_size"] // r["nb_part"]
+            r["layout"] = r.get("layout", "replica")
+            records.append(r)
+    return records, problems
+
+
+def merge(records: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[tuple(r[k] for k in KEY)].append(r)
+    rows = []
+    for key, runs in groups.items():
+        def med(field: str) -> float | None:
+            vals = [r[field] for r in runs if r.get(field) is not None]
+            return statistics.median(vals) if vals else None
+        row = dict(zip(KEY, key))
+        row.update(runs=len(runs), kind=kind(row["tasks"], row["nb_part"]), samples_per_s=med("samples_per_s"),
+                   epoch_time_s=med("epoch_time_s"), peak_gpu_mem_gb=med("peak_gpu_mem_gb"),
+                   test_acc=med("test_acc"), engine=runs[-1].get("engine"), torch=runs[-1].get("torch"))
+        rows.append(row)
+    rows.sort(key=lambda r: (r["device"], r["gpus"], r["layout"], r["tasks"], r["batch_per_gpu"], r["chunks"]))
+    return rows
+
+
+def fmt(v: object, spec: str = "") -> str:
+    return "" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    out = [f"# {title}", ""]
+    for (device, gpus), group in _groups(rows):
+        best = max(group, key=lambda r: r["samples_per_s"] or 0)
+        unit = "GPUs" if device == "cuda" else "parts (CPU processes, gloo: not a GPU result)"
+        out += [f"## {gpus} {unit}", "",
+                f"Fastest: {best['tasks']} task(s) x nb_part {best['nb_part']} ({best['kind']}), batch "
+                f"{best['batch_per_gpu']}/GPU, chunks {best['chunks']}: {fmt(best['samples_per_s'], '.1f')} "
+                "samples/s", "",
+                "| ntasks | nb_part | layout | batch/GPU | batch/replica | chunks | samples/s | s/epoch "
+                "| peak GPU mem (GiB) | test acc | runs |",
+                "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in group:
+            out.append(f"| {r['tasks']} | {r['nb_part']} | {r['kind']}{'' if r['layout'] == 'replica' else ' (' + r['layout'] + ')'} "
+                       f"| {r['batch_per_gpu']} | {r['batch_size']} | {r['chunks']} | "
+                       f"{fmt(r['samples_per_s'], '.1f')} | {fmt(r['epoch_time_s'], '.1f')} | "
+                       f"{fmt(r['peak_gpu_mem_gb'], '.2f')} | {fmt(r['test_acc'], '.3f')} | {r['runs']} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _groups(rows: list[dict]):
+    keys = sorted({(r["device"], r["gpus"]) for r in rows})
+    return [(k, [r for r in rows if (r["device"], r["gpus"]) == k]) for k in keys]
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    fields = ["device", "gpus", "tasks", "nb_part", "kind", "layout", "batch_per_gpu", "batch_size", "chunks",
+              "samples_per_s", "epoch_time_s", "peak_gpu_mem_gb", "test_acc", "runs", "engine", "torch"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> str | None:
+    """Throughput against chunks, a line per batch size per GPU, a panel per ntasks (and GPU count).
+    Returns why there is no plot, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib); the tables are complete without it"
+    groups = _groups(rows)
+    ncols = max(len({(r["tasks"], r["layout"]) for r in g}) for _, g in groups)
+    fig, axes = plt.subplots(len(groups), ncols, figsize=(3.6 * ncols, 3.2 * len(groups)), squeeze=False,
+                             sharey="row")
+    for gi, ((device, gpus), group) in enumerate(groups):
+        panels = sorted({(r["tasks"], r["layout"]) for r in group})
+        for pi in range(ncols):
+            ax = axes[gi][pi]
+            if pi >= len(panels):
+                ax.axis("off")
+                continue
+            tasks, layout = panels[pi]
+            sub = [r for r in group if (r["tasks"], r["layout"]) == (tasks, layout)]
+            for bpg in sorted({r["batch_per_gpu"] for r in sub}):
+                pts = sorted((r["chunks"], r["samples_per_s"]) for r in sub
+                             if r["batch_per_gpu"] == bpg and r["samples_per_s"])
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=f"{bpg}/{'GPU' if device == 'cuda' else 'part'}")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({r["chunks"] for r in sub}))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_title(f"{tasks} task(s) x nb_part {sub[0]['nb_part']}\n{sub[0]['kind']}"
+                         + ("" if layout == "replica" else f" ({layout})"), fontsize=9)
+            ax.set_xlabel("chunks")
+            if pi == 0:
+                ax.set_ylabel(f"{gpus} {'GPUs' if device == 'cuda' else 'CPU parts'}: samples/s")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, title="batch", title_fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", type=Path, help="JSONL files written by --json-out")
+    p.add_argument("--out", type=Path, default=Path("report"), help="output folder (default: report/)")
+    p.add_argument("--title", default="Hybrid pipeline + data parallel benchmark")
+    args = p.parse_args(argv)
+    records, problems = load(args.results)
+    for msg in problems:
+        print(msg, file=sys.stderr)
+    if not records:
+        print(f"report.py: no usable result in {', '.join(map(str, args.results))}; run the sweep first",
+              file=sys.stderr)
+        return 1
+    rows = merge(records)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sweep.md").write_text(markdown(rows, args.title) + "\n")
+    write_csv(rows, args.out / "sweep.csv")
+    why = plot(rows, args.out / "throughput.png", args.title)
+    print(markdown(rows, args.title))
+    print(f"wrote {args.out / 'sweep.md'}, {args.out / 'sweep.csv'}"
+          + (f"; no plot: {why}" if why else f", {args.out / 'throughput.png'}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/bin/bash
+# The page's sweep at small scale on this machine's CPU: tasks are local processes (torchrun), every part on
+# the CPU, gloo. It shows the method and the report on a laptop or CI machine; it is not a GPU result.
+#     slurm/sweep_local.sh [results.jsonl]        (make sweep: this, then slurm/report.py)
+# PARTS "devices" in all = tasks x nb_part; the global batch is the same for every split (batch per part x PARTS).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+RESULTS=${1:-report/cpu_sweep.jsonl}
+PARTS=${PARTS:-4}
+TASKS=${TASKS:-"1 2"}
+BATCH_PER_PART=${BATCH_PER_PART:-"8 16"}
+CHUNKS=${CHUNKS:-"1 2 4 8"}
+SYNTHETIC=${SYNTHETIC:-2000}
+mkdir -p "$(dirname "$RESULTS")"
+for n in $TASKS; do
+  nb=$(( PARTS / n ))
+  for per_part in $BATCH_PER_PART; do
+    batch=$(( per_part * nb ))
+    for chunks in $CHUNKS; do
+      if [ "$nb" -eq 1 ] && [ "$chunks" -gt 1 ]; then
+        echo "skip: ntasks=$n nb_part=1 chunks=$chunks (no pipeline to fill)"; continue
+      fi
+      if [ "$chunks" -gt "$batch" ] || [ $(( batch % chunks )) -ne 0 ]; then
+        echo "skip: ntasks=$n batch=$batch chunks=$chunks (chunks must divide the batch per replica)"; continue
+      fi
+      echo "run: ntasks=$n nb_part=$nb batch=$batch chunks=$chunks"
+      "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n" bench_ddp_transformer.py \
+          --nb-part "$nb" --chunks "$chunks" --batch-size "$batch" --epochs 1 --synthetic "$SYNTHETIC" \
+          --json-out "$RESULTS" > /dev/null
+    done
+  done
+done
+echo "results in $RESULTS"
