@@ -5,7 +5,7 @@ VENV   := .venv
 LEGACY := .venv-legacy
 PY     := $(VENV)/bin/python
 
-.PHONY: run test test-modern test-legacy venv legacy slurm-deps clean
+.PHONY: run test test-modern test-legacy venv legacy slurm-deps sweep budget clean
 
 run: venv
 	$(PY) bench_ddp_transformer.py
@@ -24,6 +24,16 @@ test-legacy: venv
 	else \
 		$(PY) -m pytest -m legacy tests; \
 	fi
+
+# The page's sweep at small scale on this CPU, then its table and plot in report/ (about 10 minutes on 2 cores).
+sweep: venv
+	rm -f report/cpu_sweep.jsonl
+	PYTHON=$(PY) slurm/sweep_local.sh report/cpu_sweep.jsonl
+	$(PY) slurm/report.py report/cpu_sweep.jsonl --out report --title "CPU sweep (gloo, 2 cores): not a GPU result"
+
+# The performance budget (benchmarks/budget.py): ratios measured in one run; README quotes them.
+budget: venv legacy
+	$(PY) benchmarks/budget.py $$( [ -f $(LEGACY)/.installed ] && echo --legacy $(LEGACY)/bin/python )
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt

@@ -77,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--nb-part", type=int, help="GPUs per replica (default: the page's GPUs per node // tasks per node; CPU 2)")
     a("--engine", choices=check_topology.ENGINES, default="auto",
       help="auto: torch-pipe on torch <= 2.3, else fairscale")
+    a("--layout", choices=("replica", "stage"), default="replica",
+      help="replica: the page's (a task per replica, Pipe over its GPUs); stage: a task per GPU, "
+           "torch.distributed.pipelining")
+    a("--pp", type=int, default=2, help="stage layout: tasks per pipeline (replicas = world size / pp)")
+    a("--schedule", choices=tuple(check_topology.SCHEDULES), default="1f1b", help="stage layout's schedule")
+    a("--virtual-stages", type=int, default=2, help="stages per task for interleaved1f1b/loopedbfs/interleavedzb")
     a("--epochs", type=int, default=3)
     a("--max-steps", type=int, default=0, help="stop after this many steps in all (0: no limit)")
     a("--warmup-steps", type=int, default=3, help="steps left out of the timing (allocator, autotuning)")
@@ -459,11 +465,12 @@ class BatchTensors(torch.utils.data.Dataset):
         return self.x[idx].long(), self.y[idx]
 
 
-def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, world: int, rank: int, train: bool,
-                seed: int, workers: int, pin: bool) -> torch.utils.data.DataLoader:
-    sampler = torch.utils.data.DistributedSampler(BatchTensors(x, y), num_replicas=world, rank=rank, shuffle=train,
-                                                  seed=seed, drop_last=train)
-    batches = torch.utils.data.BatchSampler(sampler, batch, drop_last=train)
+def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, replicas: int, rank: int, drop_last: bool,
+                seed: int, workers: int, pin: bool, shuffle: bool = True) -> torch.utils.data.DataLoader:
+    """Replica `rank` of `replicas` gets its own share (the tasks of one pipeline share one)."""
+    sampler = torch.utils.data.DistributedSampler(BatchTensors(x, y), num_replicas=replicas, rank=rank,
+                                                  shuffle=shuffle, seed=seed, drop_last=drop_last)
+    batches = torch.utils.data.BatchSampler(sampler, batch, drop_last=drop_last)
     return torch.utils.data.DataLoader(BatchTensors(x, y), sampler=batches, batch_size=None, num_workers=workers,
                                        pin_memory=pin, persistent_workers=workers > 0)
 
@@ -471,10 +478,17 @@ def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, world: int, rank: 
 # ----------------------------------------------------------------------------------------------------------------
 # setup: who am I, what is my plan, the process group
 def resolve(cfg: argparse.Namespace, cuda: bool) -> None:
+    """Fill the GPU or CPU defaults; refuse counts below 1 before anything is built."""
     defaults = check_topology.GPU_DEFAULTS if cuda else check_topology.CPU_DEFAULTS
     for k, v in defaults.items():
         if getattr(cfg, k) is None:
             setattr(cfg, k, v)
+    for k in ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "chunks", "batch_size", "nb_part",
+              "epochs", "pp", "virtual_stages"):
+        if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
+            raise RunError(f"--{k.replace('_', '-')} {getattr(cfg, k)} must be at least 1")
+    if not 0 <= cfg.dropout < 1:
+        raise RunError(f"--dropout {cfg.dropout} must be in [0, 1)")
 
 
 def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
@@ -489,13 +503,17 @@ def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
         visible = [] if env_ids in ([], ["-1"], ["NoDevFiles"]) else env_ids
     gon = os.environ.get("SLURM_GPUS_ON_NODE", "").strip() if launch.launcher == "slurm" else ""
     findings = check_topology.Findings()
+    stage = cfg.layout == "stage"
     plan = check_topology.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size,
-                                    visible, int(gon) if gon.isdigit() else None, cfg.nlayers, cfg.nb_part,
-                                    findings)
+                                    visible, int(gon) if gon.isdigit() else None, cfg.nlayers,
+                                    1 if stage else cfg.nb_part, findings)  # stage layout: a GPU per task
     plan.cpu = plan.cpu or not cuda
-    check_topology.check_training(plan.nb_part, check_topology.Training(
-        nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size, engine=cfg.engine, nb_part=cfg.nb_part),
-        findings)
+    training = check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
+                                       engine=cfg.engine, nb_part=cfg.nb_part, layout=cfg.layout, pp=cfg.pp,
+                                       schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)
+    parts = check_topology.check_stage(launch.size, launch.tasks_per_node, int(gon) if gon.isdigit() else None,
+                                       training, findings, cpu=not cuda) if stage else plan.nb_part
+    check_topology.check_training(parts, training, findings, cpu=not cuda)
     for f in findings:
         if f.level == "warning":
             log(f"check_topology: {f}")
@@ -560,10 +578,12 @@ def init_rpc_for_pipe() -> tempfile.NamedTemporaryFile:
 
 # ----------------------------------------------------------------------------------------------------------------
 # checkpoints: the page's model.module.state_dict() (no "module." prefix), plus what resuming needs
-def layout_of(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> dict:
-    return {"nb_part": plan.nb_part, "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head,
+def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
+    """What a checkpoint must match: the model and how many parts it is cut in (whatever the layout:
+    replica nb_part 2 and stage --pp 2 hold the same parts under the same keys)."""
+    return {"nb_part": nb_part, "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head,
             "d_hid": cfg.d_hid, "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
-            "part_sizes": check_topology.part_sizes(cfg.nlayers, plan.nb_part)}
+            "part_sizes": check_topology.part_sizes(cfg.nlayers, nb_part)}
 
 
 def rng_states(world: int) -> list[dict]:
@@ -577,19 +597,17 @@ def rng_states(world: int) -> list[dict]:
     return everyone
 
 
-def save_checkpoint(path: str, ddp_mp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                    epoch: int, batch_in_epoch: int, step: int, rngs: list[dict], cfg: argparse.Namespace,
-                    plan: check_topology.TaskPlan, engine: str) -> None:
-    """epoch: epochs fully done; batch_in_epoch: batches done in the next one (a stop inside an epoch)."""
-    state = {"format": CKPT_FORMAT, "model": {k: v.cpu() for k, v in ddp_mp_model.module.state_dict().items()},
-             "optimizer": optimizer.state_dict(), "epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step,
-             "layout": layout_of(cfg, plan), "engine": engine, "rng": rngs,
-             "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}}
+def save_checkpoint(path: str, model_state: dict, optimizer_state: dict, epoch: int, batch_in_epoch: int,
+                    step: int, rngs: list[dict], cfg: argparse.Namespace, nb_part: int, engine: str) -> None:
+    """model_state: the page's model.module.state_dict() of the whole replica (keys '0.0.embedding.weight',
+    no 'module.' prefix). epoch: epochs fully done; batch_in_epoch: batches done in the next one."""
+    state = {"format": CKPT_FORMAT, "model": model_state, "optimizer": optimizer_state, "epoch": epoch,
+             "batch_in_epoch": batch_in_epoch, "step": step, "layout": layout_of(cfg, nb_part), "engine": engine,
+             "rng": rngs, "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}}
     atomic_torch_save(state, Path(path).expanduser())
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: argparse.Namespace,
-                    plan: check_topology.TaskPlan) -> dict:
+def read_checkpoint(path: str, cfg: argparse.Namespace, nb_part: int) -> dict:
     try:
         state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=False)
     except FileNotFoundError:
@@ -599,18 +617,35 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
                        f"{str(exc).splitlines()[0][:120]}); it may be truncated: use an earlier one") from None
     if not isinstance(state, dict) or state.get("format") != CKPT_FORMAT:
         raise RunError(f"--load {path} is not a checkpoint written by bench_ddp_transformer.py --save")
-    mine, theirs = layout_of(cfg, plan), state["layout"]
+    mine, theirs = layout_of(cfg, nb_part), state["layout"]
     if mine != theirs:
         diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
         raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
                        f"(e.g. --nb-part {theirs['nb_part']} --nlayers {theirs['nlayers']})")
-    try:
-        model.load_state_dict(state["model"])  # every key, every shape: strict
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise RunError(f"--load {path} does not fit this model ({str(exc).splitlines()[0][:160]}); rerun with "
-                       f"the options it was saved with: {state.get('args')}") from None
     return state
+
+
+def split_optimizer_state(state: dict, counts: list[int]) -> list[dict]:
+    """A whole-model AdamW state (parameters numbered in module order) cut into consecutive pieces of
+    `counts` parameters, each renumbered from 0: one per pipeline stage."""
+    pieces, start = [], 0
+    for n in counts:
+        group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        pieces.append({"state": {i - start: v for i, v in state["state"].items() if start <= i < start + n},
+                       "param_groups": [dict(group, params=list(range(n)))]})
+        start += n
+    return pieces
+
+
+def merge_optimizer_states(pieces: list[dict]) -> dict:
+    """The inverse of split_optimizer_state."""
+    merged, start = {"state": {}, "param_groups": []}, 0
+    for piece in pieces:
+        merged["state"].update({i + start: v for i, v in piece["state"].items()})
+        start += len(piece["param_groups"][0]["params"])
+    group = {k: v for k, v in pieces[0]["param_groups"][0].items() if k != "params"}
+    merged["param_groups"] = [dict(group, params=list(range(start)))]
+    return merged
 
 
 def restore_rng(state: dict, rank: int) -> None:
@@ -655,30 +690,6 @@ def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor) 
     return loss.detach(), logits.detach()
 
 
-def synchronize(plan: check_topology.TaskPlan) -> None:
-    if not plan.cpu:
-        for d in plan.devices:
-            torch.cuda.synchronize(d)
-
-
-@torch.no_grad()
-def evaluate(pipe_model: nn.Module, loader, first: str, last: str, world: int) -> float:
-    pipe_model.eval()  # the Pipe directly, not DDP: no collectives per batch
-    stats = torch.zeros(2, dtype=torch.float64, device=last)
-    for x, y in loader:
-        logits = pipe_model(x.to(first, non_blocking=True))
-        stats[0] += (logits.argmax(1) == y.to(last, non_blocking=True)).sum()
-        stats[1] += len(y)
-    pipe_model.train()
-    if world > 1:
-        dist.all_reduce(stats)
-    return (stats[0] / stats[1].clamp(min=1)).item()
-
-
-def peak_gpu_memory(plan: check_topology.TaskPlan) -> float:
-    return max((torch.cuda.max_memory_allocated(d) for d in plan.devices), default=0) / 2**30 if not plan.cpu else 0.0
-
-
 def reduce_max(values: list[float], device: str, world: int) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if world > 1:
@@ -686,17 +697,233 @@ def reduce_max(values: list[float], device: str, world: int) -> list[float]:
     return t.tolist()
 
 
-def replica_divergence(model: nn.Module, device: str, world: int) -> float:
-    """Largest difference between replicas of per-tensor fingerprints (sum, sum of squares, in float64):
-    0.0 when DDP kept every replica identical, which is its whole job."""
+def fingerprint(modules: list[nn.Module]) -> torch.Tensor:
+    """Per-tensor (sum, sum of squares) in float64: equal on every replica when DDP did its job."""
     with torch.no_grad():
-        fp = torch.stack([torch.stack([p.double().sum(), p.double().pow(2).sum()]) for p in model.parameters()])
-    fp = fp.flatten().to(device)
-    if world == 1:
+        return torch.stack([torch.stack([p.double().sum(), p.double().pow(2).sum()])
+                            for m in modules for p in m.parameters()]).flatten()
+
+
+def divergence(fp: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> float:
+    """Largest difference of fingerprints between the replicas of `group`."""
+    if size == 1:
         return 0.0
-    everyone = [torch.empty_like(fp) for _ in range(world)]
-    dist.all_gather(everyone, fp)
-    return max((e - everyone[0]).abs().max().item() for e in everyone)
+    everyone = [torch.empty_like(fp) for _ in range(size)]
+    dist.all_gather(everyone, fp, group=group)
+    gap = torch.stack([(e - everyone[0]).abs().max() for e in everyone]).max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)  # over every group
+    return gap.item()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the two layouts, behind one interface for the training loop
+class Replica:
+    """The page's layout: this task holds one whole replica, split over its GPUs by a Pipe; DDP across tasks."""
+    name = "replica"
+
+    def __init__(self, cfg: argparse.Namespace, plan: check_topology.TaskPlan, engine: str, world: int,
+                 rank: int) -> None:
+        self.cfg, self.plan, self.engine = cfg, plan, engine
+        self.nb_part, self.dp_size, self.dp_rank = plan.nb_part, world, rank
+        self.first, self.last = plan.device(0), plan.device(plan.nb_part - 1)
+        self.stats_device = self.last
+        torch.manual_seed(cfg.seed)  # same initial weights on every replica (DDP also broadcasts rank 0's)
+        module_list = build_module_list(cfg, plan)
+        self.model = PipeModel(module_list, engine, cfg.chunks, [plan.device(i) for i in range(plan.nb_part)])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        self.total_params = sum(p.numel() for p in self.model.parameters())
+        self.ddp_mp_model: DistributedDataParallel | None = None
+
+    def describe(self) -> str:
+        return (f"{self.dp_size} replica(s), nb_part {self.nb_part} "
+                f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.gpu_ids)} on rank 0), engine "
+                f"{self.engine}: " + " | ".join(f"{self.plan.device(i)}: {c}" for i, c in enumerate(self.plan.contents)))
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        self.model.load_state_dict(model_state)  # every key, every shape: strict
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def start(self) -> None:
+        # No device_ids / output_device: the module spans several devices (the page's "Important").
+        self.ddp_mp_model = DistributedDataParallel(self.model)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One step; returns (loss x samples, correct, samples) on the device, never read here."""
+        x, y = x.to(self.first, non_blocking=True), y.to(self.last, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, logits = forward_backward(self.ddp_mp_model, x, y)
+        self.optimizer.step()
+        return torch.stack([loss * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=self.last)])
+
+    @torch.no_grad()
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.model.eval()  # the Pipe directly, not DDP: no collectives per batch
+        logits = self.model(x.to(self.first, non_blocking=True))
+        self.model.train()
+        y = y.to(self.last, non_blocking=True)
+        return torch.stack([(logits.argmax(1) == y).sum(), torch.tensor(len(y), device=self.last)])
+
+    def synchronize(self) -> None:
+        if not self.plan.cpu:
+            for d in self.plan.devices:
+                torch.cuda.synchronize(d)
+
+    def peak_memory_gb(self) -> float:
+        return 0.0 if self.plan.cpu else max(torch.cuda.max_memory_allocated(d) for d in self.plan.devices) / 2**30
+
+    def state(self) -> tuple[dict, dict]:
+        """The whole replica's state (the page's model.module.state_dict()), on the CPU."""
+        return {k: v.cpu() for k, v in self.ddp_mp_model.module.state_dict().items()}, self.optimizer.state_dict()
+
+    def divergence(self) -> float:
+        return divergence(fingerprint([self.model]).to(self.last), None, self.dp_size)
+
+    def placement(self, launch: idr_torch.Launch) -> dict:
+        return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "nb_part": self.nb_part,
+                "devices": [self.plan.device(i) for i in range(self.nb_part)], "gpu_ids": self.plan.gpu_ids}
+
+    def close(self) -> None:
+        self.model.close()
+
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
+             "loopedbfs": "ScheduleLoopedBFS"}
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """The stages a rank holds: one, or `virtual` of them looped (r, r+pp, r+2pp, ...)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+class Stages:
+    """Beyond the page: one task per GPU, torch.distributed.pipelining (PipelineStage + a schedule) across the
+    `pp` tasks of a pipeline, DDP across the dp pipelines over each stage's group: a 2-D mesh (dp, pp) as in
+    torchtitan. Consecutive ranks form a pipeline, so its stages stay on one node when tasks per node allow."""
+    name = "stage"
+
+    def __init__(self, cfg: argparse.Namespace, plan: check_topology.TaskPlan, world: int, rank: int,
+                 cuda: bool) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        self.cfg, self.plan = cfg, plan
+        self.pp, self.virtual = cfg.pp, check_topology.stages_per_rank(cfg.schedule, cfg.virtual_stages)
+        self.dp_size = world // self.pp
+        self.nb_part = self.pp * self.virtual  # stages of one pipeline = parts of one replica
+        self.mesh = init_device_mesh("cuda" if cuda else "cpu", (self.dp_size, self.pp), mesh_dim_names=("dp", "pp"))
+        self.pp_rank, self.dp_rank = self.mesh["pp"].get_local_rank(), self.mesh["dp"].get_local_rank()
+        self.device = torch.device(plan.device(0))
+        if cuda:
+            torch.cuda.set_device(self.device)
+        self.ids = stage_ids(self.pp_rank, self.pp, self.virtual)
+        self.first_holder, self.last_holder = 0 in self.ids, self.nb_part - 1 in self.ids
+        self.stats_device = self.device
+        # Build the whole replica on the CPU with the replica layout's seed and order, keep our stages: the same
+        # initial weights as --layout replica, and the same state_dict keys.
+        torch.manual_seed(cfg.seed)
+        cpu_plan = check_topology.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, self.nb_part)
+        module_list = build_module_list(cfg, cpu_plan)
+        self.param_counts = [len(list(m.parameters())) for m in module_list]
+        self.total_params = sum(p.numel() for m in module_list for p in m.parameters())
+        self.modules = {s: module_list[s].to(self.device) for s in self.ids}
+        del module_list
+        self.optimizers = {s: torch.optim.AdamW(m.parameters(), lr=cfg.lr) for s, m in self.modules.items()}
+        self.schedule = None
+
+    def describe(self) -> str:
+        contents = check_topology.part_contents(self.cfg.nlayers, self.nb_part)
+        return (f"{self.dp_size} pipeline(s) x pp {self.pp} ({self.virtual} stage(s) per task), schedule "
+                f"{self.cfg.schedule}; rank 0 holds " + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
+                + f" on {self.device}")
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        pieces = split_optimizer_state(optimizer_state, self.param_counts)
+        for s, m in self.modules.items():
+            prefix = f"{s}."
+            m.load_state_dict({k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)})
+            self.optimizers[s].load_state_dict(pieces[s])
+
+    def start(self) -> None:
+        from torch.distributed import pipelining
+        dp_group, pp_group = self.mesh["dp"].get_group(), self.mesh["pp"].get_group()
+        # The schedule runs one backward per micro-batch (no_sync on all but the last). DDP's first-iteration
+        # bucket rebuild then counts every parameter once per micro-batch and fails an internal assert
+        # (torch 2.13); static_graph=True runs but leaves the replicas apart (seen with the fingerprint check).
+        # find_unused_parameters=True skips that rebuild: one more graph traversal per backward, replicas equal.
+        self.ddp = {s: DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=True)
+                    for s, m in self.modules.items()}
+        stages = [pipelining.PipelineStage(self.ddp[s], s, self.nb_part, self.device, group=pp_group)
+                  for s in self.ids]
+        cls = getattr(pipelining, SCHEDULES[self.cfg.schedule], None)
+        if cls is None:
+            raise RunError(f"--schedule {self.cfg.schedule}: this torch ({torch.__version__}) has no "
+                           f"{SCHEDULES[self.cfg.schedule]}; use gpipe or 1f1b")
+        try:
+            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=F.cross_entropy)
+                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks,
+                                                          loss_fn=F.cross_entropy))
+        except ValueError as exc:
+            raise RunError(f"--schedule {self.cfg.schedule} with --chunks {self.cfg.chunks} and --pp {self.pp}: "
+                           f"{exc}") from None
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor, run) -> torch.Tensor | None:
+        args = (x.to(self.device, non_blocking=True),) if self.first_holder else ()
+        target = y.to(self.device, non_blocking=True) if self.last_holder else None
+        return run(*args, target=target, losses=self._losses) if self.last_holder else run(*args)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        self._losses: list[torch.Tensor] = []
+        out = self._run(x, y, self.schedule.step)
+        for opt in self.optimizers.values():
+            opt.step()
+        if not self.last_holder:  # inputs go to the first stage only; loss and accuracy live on the last
+            return torch.zeros(3, device=self.device)
+        y = y.to(self.device, non_blocking=True)
+        loss = torch.stack([l.detach() for l in self._losses]).mean()
+        return torch.stack([loss * len(y), (out.detach().argmax(1) == y).sum(), torch.tensor(len(y), device=self.device)])
+
+    @torch.no_grad()
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for m in self.modules.values():
+            m.eval()
+        self._losses = []
+        out = self._run(x, y, self.schedule.eval)
+        for m in self.modules.values():
+            m.train()
+        if not self.last_holder:
+            return torch.zeros(2, device=self.device)
+        y = y.to(self.device, non_blocking=True)
+        return torch.stack([(out.argmax(1) == y).sum(), torch.tensor(len(y), device=self.device)])
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def peak_memory_gb(self) -> float:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+
+    def state(self) -> tuple[dict, dict]:
+        """Consolidated on every rank (a collective): the first pipeline's stages, under the replica layout's
+        keys, so a checkpoint moves between layouts."""
+        mine = {s: ({k: v.cpu() for k, v in m.state_dict().items()}, self.optimizers[s].state_dict())
+                for s, m in self.modules.items()} if self.dp_rank == 0 else {}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        by_stage = {s: v for d in everyone for s, v in d.items()}
+        model = {f"{s}.{k}": v for s in sorted(by_stage) for k, v in by_stage[s][0].items()}
+        return model, merge_optimizer_states([by_stage[s][1] for s in sorted(by_stage)])
+
+    def divergence(self) -> float:
+        fp = fingerprint([self.modules[s] for s in self.ids]).to(self.device)
+        return divergence(fp, self.mesh["dp"].get_group(), self.dp_size)
+
+    def placement(self, launch: idr_torch.Launch) -> dict:
+        return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "stages": self.ids,
+                "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "nb_part": 1, "devices": [str(self.device)],
+                "gpu_ids": self.plan.gpu_ids}
+
+    def close(self) -> None:
+        self.schedule = None
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -716,55 +943,56 @@ def main(argv: list[str] | None = None) -> int:
     launch = idr_torch.current()
     rank, world = launch.rank, launch.size
     plan = make_plan(cfg, cuda)
-    engine = pick_engine(cfg.engine)
+    engine = pick_engine(cfg.engine) if cfg.layout == "replica" else "pipelining"
     check_save_path(cfg.save)
     source = data_source(cfg)
     torch.set_num_threads(cpu_threads(launch))
-    first, last = plan.device(0), plan.device(plan.nb_part - 1)
 
     init_distributed(cfg.timeout, cuda)
     rpc_file = init_rpc_for_pipe() if engine == "torch-pipe" else None
-    model = ddp_mp_model = None
+    trainer = None
     try:
-        log(f"bench_ddp_transformer: torch {torch.__version__}, engine {engine}, backend "
-            f"{dist.get_backend()}, {world} replica(s) on {launch.num_nodes} node(s), nb_part {plan.nb_part} "
-            f"({'cpu' if plan.cpu else 'GPUs ' + ','.join(plan.gpu_ids)} on rank 0), chunks {cfg.chunks}, "
-            f"batch {cfg.batch_size}/replica ({cfg.batch_size * world} global), world size {world}")
-        log(f"  layers per part {check_topology.part_sizes(cfg.nlayers, plan.nb_part)}: "
-            + " | ".join(f"{plan.device(i)}: {c}" for i, c in enumerate(plan.contents)))
+        trainer = Replica(cfg, plan, engine, world, rank) if cfg.layout == "replica" else \
+            Stages(cfg, plan, world, rank, cuda)
+        dp = trainer.dp_size  # replicas that each see their own share of the data
+        log(f"bench_ddp_transformer: torch {torch.__version__}, {cfg.layout} layout, backend {dist.get_backend()}, "
+            f"world size {world} on {launch.num_nodes} node(s), chunks {cfg.chunks}, batch {cfg.batch_size}/replica "
+            f"({cfg.batch_size * dp} global)")
+        log(f"  {trainer.describe()}")
         data = load_corpus(cfg, source, world)
         workers = cfg.workers if cfg.workers >= 0 else (min(4, max(0, launch.cpus_per_task - 1)) if cuda else 0)
-        train_loader = make_loader(data["train_x"], data["train_y"], cfg.batch_size, world, rank, True, cfg.seed,
-                                   workers, cuda)
-        test_loader = make_loader(data["test_x"], data["test_y"], cfg.batch_size, world, rank, False, cfg.seed,
-                                  workers, cuda)
+        train_loader = make_loader(data["train_x"], data["train_y"], cfg.batch_size, dp, trainer.dp_rank, True,
+                                   cfg.seed, workers, cuda)
+        # the stage layout's schedules want every batch the same size: a short last test batch is dropped
+        test_loader = make_loader(data["test_x"], data["test_y"], cfg.batch_size, dp, trainer.dp_rank,
+                                  cfg.layout == "stage", cfg.seed, workers, cuda, shuffle=False)
         if len(train_loader) == 0:
             raise RunError(f"{len(data['train_y'])} training reviews give no full batch of {cfg.batch_size} per "
-                           f"replica x {world} replicas; lower --batch-size or add data")
+                           f"replica x {dp} replicas; lower --batch-size or add data")
 
-        torch.manual_seed(cfg.seed)  # same initial weights on every replica (DDP also broadcasts rank 0's)
-        module_list = build_module_list(cfg, plan)
-        model = PipeModel(module_list, engine, cfg.chunks, [plan.device(i) for i in range(plan.nb_part)])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         start_epoch, skip, step, state = 0, 0, 0, None
         load = cfg.load or (cfg.save if cfg.resume and cfg.save and Path(cfg.save).expanduser().exists() else None)
         if load:
-            state = load_checkpoint(load, model, optimizer, cfg, plan)
+            state = read_checkpoint(load, cfg, trainer.nb_part)
+            try:
+                trainer.load(state["model"], state["optimizer"])
+            except (RuntimeError, ValueError, KeyError, IndexError) as exc:
+                raise RunError(f"--load {load} does not fit this model ({str(exc).splitlines()[0][:160]}); rerun "
+                               f"with the options it was saved with: {state.get('args')}") from None
             start_epoch, skip, step = state["epoch"], state.get("batch_in_epoch", 0), state["step"]
             log(f"loaded {load}: epoch {start_epoch}" + (f" + {skip} batches" if skip else "") + f", step {step}")
-        # No device_ids / output_device: the module spans several devices (the page's "Important").
-        ddp_mp_model = DistributedDataParallel(model)
+        trainer.start()
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ between replicas
         if state is not None:
             restore_rng(state, rank)
         stop = StopRequest(cuda)
-        nparams = sum(p.numel() for p in model.parameters())
-        log(f"  model: {nparams / 1e6:.2f} M parameters; {len(train_loader)} steps per epoch")
+        log(f"  model: {trainer.total_params / 1e6:.2f} M parameters; "
+            f"{len(train_loader)} steps per epoch")
 
         history, startup_s = [], None
         for epoch in range(start_epoch, cfg.epochs):
             train_loader.sampler.sampler.set_epoch(epoch)
-            stats = torch.zeros(3, dtype=torch.float64, device=last)  # loss sum, correct, seen
+            stats = torch.zeros(3, dtype=torch.float64, device=trainer.stats_device)  # loss sum, correct, seen
             timed_steps, t0, t_last_log, t_epoch = 0, None, time.time(), time.time()
             for i, (x, y) in enumerate(train_loader):
                 if i < skip:  # resumed inside this epoch: same sampler order, these batches are done
@@ -772,109 +1000,109 @@ def main(argv: list[str] | None = None) -> int:
                 if startup_s is None:  # imports, data, model build: what a user waits for before step 1
                     startup_s = time.time() - psutil.Process().create_time()
                 if i == skip + cfg.warmup_steps:  # counted from the first batch this run trains on
-                    synchronize(plan)
+                    trainer.synchronize()
                     t0 = time.time()
-                x, y = x.to(first, non_blocking=True), y.to(last, non_blocking=True)
-                optimizer.zero_grad(set_to_none=True)
-                loss, logits = forward_backward(ddp_mp_model, x, y)
-                optimizer.step()
-                # accumulate on the device: no .item() (a host sync) in the timed loop
-                stats[0] += loss * len(y)
-                stats[1] += (logits.argmax(1) == y).sum()
-                stats[2] += len(y)
+                stats += trainer.train_step(x, y)  # stays on the device: no .item() (a host sync) in the loop
                 step += 1
                 timed_steps += int(t0 is not None)
                 if stop.agreed(world):
                     break
                 if rank == 0 and time.time() - t_last_log > cfg.log_every:
                     t_last_log = time.time()
-                    log(f"  epoch {epoch + 1} step {i + 1}/{len(train_loader)} loss "
-                        f"{(stats[0] / stats[2]).item():.4f} ({time.time() - t_epoch:.0f}s)")
+                    log(f"  epoch {epoch + 1} step {i + 1}/{len(train_loader)}"
+                        + (f" loss {(stats[0] / stats[2]).item():.4f}" if stats[2] > 0 else "")
+                        + f" ({time.time() - t_epoch:.0f}s)")
                 if cfg.max_steps and step >= cfg.max_steps:
                     break
             if stop.flag[0] > 0:  # agreed by every rank at the same step (a signal of its own alone is not)
+                done_all = i + 1 == len(train_loader)
+                model_state, optimizer_state = trainer.state()
                 rngs = rng_states(world)
                 if cfg.save and rank == 0:
-                    done_all = i + 1 == len(train_loader)
-                    save_checkpoint(cfg.save, ddp_mp_model, optimizer, epoch + int(done_all),
-                                    0 if done_all else i + 1, step, rngs, cfg, plan, engine)
+                    save_checkpoint(cfg.save, model_state, optimizer_state, epoch + int(done_all),
+                                    0 if done_all else i + 1, step, rngs, cfg, trainer.nb_part, engine)
                 log(f"stopping on {stop.signal or 'a signal to another task'} at epoch {epoch + 1}, "
                     f"batch {i + 1}/{len(train_loader)}, step {step}: "
                     + (f"checkpoint saved to {cfg.save}; run again with --resume (the templates requeue) to go on"
                        if cfg.save else "no --save given, so this progress is lost"))
                 return StopRequest.EXIT_CODE
             skip = 0
-            synchronize(plan)
+            trainer.synchronize()
             t_end = time.time()
             if world > 1:
                 dist.all_reduce(stats)
             epoch_time = t_end - t_epoch
             timed = t_end - t0 if t0 is not None and timed_steps else None
-            samples_per_s = timed_steps * cfg.batch_size * world / timed if timed else None
-            test_acc = evaluate(model, test_loader, first, last, world)
-            peak_gb, rss_gb = reduce_max([peak_gpu_memory(plan), psutil.Process().memory_info().rss / 2**30],
-                                         last, world)
+            samples_per_s = timed_steps * cfg.batch_size * dp / timed if timed else None
+            acc = torch.zeros(2, dtype=torch.float64, device=trainer.stats_device)
+            for x, y in test_loader:
+                acc += trainer.eval_step(x, y)
+            if world > 1:
+                dist.all_reduce(acc)
+            test_acc = (acc[0] / acc[1].clamp(min=1)).item()
+            peak_gb, rss_gb = reduce_max([trainer.peak_memory_gb(), psutil.Process().memory_info().rss / 2**30],
+                                         trainer.stats_device, world)
             row = {"epoch": epoch + 1, "steps": i + 1, "loss": stats[0].item() / max(stats[2].item(), 1),
                    "train_acc": stats[1].item() / max(stats[2].item(), 1), "test_acc": test_acc,
                    "epoch_time_s": epoch_time, "samples_per_s": samples_per_s, "timed_steps": timed_steps,
-                   "peak_gpu_mem_gb": peak_gb if not plan.cpu else None, "host_rss_gb": rss_gb}
+                   "peak_gpu_mem_gb": peak_gb if cuda else None, "host_rss_gb": rss_gb}
             history.append(row)
             log(f"epoch {row['epoch']:3d} | steps {row['steps']:5d} | loss {row['loss']:.4f} | train acc "
                 f"{row['train_acc']:.3f} | test acc {test_acc:.3f} | {epoch_time:7.1f}s | "
                 + (f"{samples_per_s:9.1f} samples/s" if samples_per_s else "   (too few steps to time)")
-                + (f" | peak GPU mem {peak_gb:.2f} GiB" if not plan.cpu else "") + f" | host RSS {rss_gb:.2f} GiB")
+                + (f" | peak GPU mem {peak_gb:.2f} GiB" if cuda else "") + f" | host RSS {rss_gb:.2f} GiB")
             if cfg.save:
+                model_state, optimizer_state = trainer.state()
                 rngs = rng_states(world)
                 if rank == 0:
-                    save_checkpoint(cfg.save, ddp_mp_model, optimizer, epoch + 1, 0, step, rngs, cfg, plan, engine)
+                    save_checkpoint(cfg.save, model_state, optimizer_state, epoch + 1, 0, step, rngs, cfg,
+                                    trainer.nb_part, engine)
                     log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}, step {step})")
             if cfg.max_steps and step >= cfg.max_steps:
                 break
 
-        divergence = replica_divergence(model, last, world)
-        plans = [None] * world  # where every replica put its parts, for the record
-        mine = {"rank": rank, "node": launch.node_id, "host": os.uname().nodename, "nb_part": plan.nb_part,
-                "devices": [plan.device(i) for i in range(plan.nb_part)], "gpu_ids": plan.gpu_ids}
+        gap = trainer.divergence()
+        plans: list = [None] * world  # where every task put its parts, for the record
         if world > 1:
-            dist.all_gather_object(plans, mine)
+            dist.all_gather_object(plans, trainer.placement(launch))
         else:
-            plans = [mine]
-        log(f"replicas in sync: max parameter fingerprint difference {divergence:.3g} over {world} replica(s)")
+            plans = [trainer.placement(launch)]
+        log(f"replicas in sync: max parameter fingerprint difference {gap:.3g} over {dp} replica(s)")
         if history:
-            timed_rows = [r for r in history if r["samples_per_s"]]
-            best = max((r["samples_per_s"] for r in timed_rows), default=None)
-            log(f"summary: {world} replica(s) x nb_part {plan.nb_part}, chunks {cfg.chunks}, batch "
-                f"{cfg.batch_size}/replica: " + (f"{best:.1f} samples/s (best epoch), " if best else "")
+            best = max((r["samples_per_s"] for r in history if r["samples_per_s"]), default=None)
+            log(f"summary: {cfg.layout} layout, {dp} replica(s) x {trainer.nb_part} part(s), chunks {cfg.chunks}, "
+                f"batch {cfg.batch_size}/replica: " + (f"{best:.1f} samples/s (best epoch), " if best else "")
                 + f"final test acc {history[-1]['test_acc']:.3f}, total {time.time() - t_start:.1f}s")
             if cfg.json_out and rank == 0:
                 record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, "engine": engine,
-                          "backend": dist.get_backend(), "device": "cuda" if cuda else "cpu",
-                          "gpu_name": torch.cuda.get_device_name(plan.devices[0]) if cuda else None,
+                          "layout": cfg.layout, "backend": dist.get_backend(), "device": "cuda" if cuda else "cpu",
+                          "gpu_name": torch.cuda.get_device_name(trainer.stats_device) if cuda else None,
                           "nodes": launch.num_nodes, "tasks": world, "tasks_per_node": launch.local_world_size,
-                          "world_size": world, "nb_part": plan.nb_part, "chunks": cfg.chunks,
-                          "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * world,
+                          "world_size": world, "replicas": dp, "nb_part": trainer.nb_part,
+                          "gpus": world if cfg.layout == "stage" else world * trainer.nb_part,
+                          "pp": getattr(trainer, "pp", None), "schedule": cfg.schedule if cfg.layout == "stage" else
+                          "gpipe", "chunks": cfg.chunks, "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * dp,
                           "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head, "d_hid": cfg.d_hid,
                           "seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size,
                           "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
                           "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
                           "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"],
                           "host_rss_gb": history[-1]["host_rss_gb"], "test_acc": history[-1]["test_acc"],
-                          "replica_divergence": divergence, "plans": plans, "startup_s": startup_s,
-                          "total_s": time.time() - psutil.Process().create_time(),
-                          "epochs": history}
+                          "replica_divergence": gap, "plans": plans, "startup_s": startup_s,
+                          "total_s": time.time() - psutil.Process().create_time(), "epochs": history}
                 with open(cfg.json_out, "a") as f:
                     f.write(json.dumps(record) + "\n")
         return 0
     except RuntimeError as exc:
         if world > 1 and is_comm_error(exc):
             raise LostContact(f"task {rank} lost contact with the others ({str(exc).splitlines()[0][:200]}): a task "
-                           f"died or hung, so every task stops instead of waiting for the time limit; start "
-                           f"again with --resume to continue from the last checkpoint") from None
+                              f"died or hung, so every task stops instead of waiting for the time limit; start "
+                              f"again with --resume to continue from the last checkpoint") from None
         raise
     finally:
-        if model is not None:
-            model.close()
-        del ddp_mp_model, model
+        if trainer is not None:
+            trainer.close()
+        del trainer
         gc.collect()
         if rpc_file is not None:
             import torch.distributed.rpc as rpc

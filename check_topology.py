@@ -43,6 +43,11 @@ CPU_DEFAULTS = dict(nlayers=4, d_model=64, n_head=4, d_hid=128, seq_len=64, voca
                     chunks=2, batch_size=32, dropout=0.0)
 CPU_NB_PART = 2  # no GPU: still split in two so the pipeline is exercised
 ENGINES = ("auto", "torch-pipe", "fairscale")
+# --layout stage: torch.distributed.pipelining schedules; the multi-stage ones hold several stages per task.
+# Not offered: the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) split the
+# weight gradients out of the backward, which DDP's gradient hooks don't follow (ZB-V crashed with DDP here).
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
+MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
 
 # Jean Zay's GPU nodes, by partition and by constraint (-C): GPUs and cores per node. Memory is granted per
 # reserved core there, so --cpus-per-task also sizes the task's host memory.
@@ -241,6 +246,10 @@ class Training:
     batch_size: int | None = None
     engine: str = "auto"
     nb_part: int | None = None
+    layout: str = "replica"
+    pp: int = 2
+    schedule: str = "1f1b"
+    virtual_stages: int = 2
     unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
 
 
@@ -361,6 +370,46 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
                       "with `python check_topology.py ... --nlayers/--chunks/--batch-size N`")
 
 
+def stages_per_rank(schedule: str, virtual: int) -> int:
+    return virtual if schedule in MULTI_STAGE else 1
+
+
+def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None, t: Training,
+                findings: Findings, cpu: bool = False) -> int:
+    """--layout stage: a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per pipeline."""
+    pp, v = t.pp, stages_per_rank(t.schedule, t.virtual_stages)
+    defaults = CPU_DEFAULTS if cpu else GPU_DEFAULTS
+    chunks = t.chunks if t.chunks is not None else defaults["chunks"]
+    if t.schedule not in SCHEDULES:
+        findings.error("bad-schedule", f"--schedule {t.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if pp < 2:
+        findings.error("pp-too-small", f"--pp {pp}: a pipeline needs at least 2 stages; for pure data parallel "
+                       "use --layout replica --nb-part 1")
+        return max(pp, 1) * v
+    if world % pp:
+        findings.error("pp-not-dividing-world", f"--pp {pp} must divide the world size ({world} tasks) into whole "
+                       f"pipelines; try --pp {_choices(d for d in divisors(world) if d > 1)}")
+    if gpus_per_node:
+        for n in sorted(set(tasks_per_node)):
+            if n < gpus_per_node:
+                findings.warn("gpus-idle", f"{n} task(s) per node for {gpus_per_node} GPUs: the stage layout runs a "
+                              f"task per GPU, {gpus_per_node - n} stay idle; use --ntasks-per-node={gpus_per_node}")
+                break
+    if any(n % pp for n in tasks_per_node):
+        findings.warn("pipeline-spans-nodes", f"--pp {pp} does not divide the {_choices(tasks_per_node)} tasks per "
+                      f"node: some pipelines cross nodes and send activations over the network at every "
+                      f"micro-batch; choose --pp in {_choices(d for d in divisors(min(tasks_per_node)) if d > 1)}")
+    if t.schedule == "1f1b" and chunks < pp:
+        findings.error("chunks-below-stages", f"--schedule 1f1b needs --chunks >= the {pp} stages of a pipeline "
+                       f"(got {chunks}): try --chunks {pp * 2} or --schedule gpipe")
+    if t.schedule in MULTI_STAGE:
+        rounds = max(1, chunks // pp)
+        if chunks % rounds:
+            findings.error("chunks-not-rounds", f"--schedule {t.schedule} needs --chunks to be a multiple of "
+                           f"chunks // pp = {rounds} (got {chunks}); try --chunks {rounds * pp}")
+    return pp * v
+
+
 def torch_version_of(module: str | None) -> tuple[int, int] | None:
     m = re.search(r"pytorch[-\w]*/py3/(\d+)\.(\d+)", module or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
@@ -445,8 +494,10 @@ class Report:
             nbp = sorted({p.nb_part for p in self.tasks})
             nodes = len({p.node for p in self.tasks})
             gpn = j.gpus_per_node if j.gpus_per_node is not None else "?"
-            lines.append(f"  {nodes} node(s) x {gpn} GPU(s), tasks per node {_choices(tpn)} -> "
-                         f"{len(self.tasks)} task(s) = model replicas, nb_part {_choices(nbp)}, "
+            what = (f"{len(self.tasks)} task(s) = {len(self.tasks) // max(t.pp, 1)} pipeline(s) x pp {t.pp} "
+                    f"(stage layout, schedule {t.schedule})" if t.layout == "stage" else
+                    f"{len(self.tasks)} task(s) = model replicas, nb_part {_choices(nbp)}")
+            lines.append(f"  {nodes} node(s) x {gpn} GPU(s), tasks per node {_choices(tpn)} -> {what}, "
                          f"{t.nlayers} layers")
             lines.append(f"  {'task':>4} {'node':>4} {'local':>5}  {'GPUs (node ids)':16} {'.to() indices':14} "
                          "parts")
@@ -457,8 +508,15 @@ class Report:
                     break
                 gpus = ",".join(p.gpu_ids) if p.gpu_ids else ("cpu" if p.cpu else "-")
                 idx = ",".join(map(str, p.devices)) if p.devices else "-"
-                parts = " | ".join(f"{(p.device(i) if p.cpu or i < len(p.devices) else '?')}: {c}"
-                                   for i, c in enumerate(p.contents)) if p.nb_part else "-"
+                if t.layout == "stage" and t.pp >= 2:  # a GPU per task, holding its stage(s) of a pipeline
+                    v = stages_per_rank(t.schedule, t.virtual_stages)
+                    contents = part_contents(t.nlayers or 0, t.pp * v)
+                    ids = [p.rank % t.pp + k * t.pp for k in range(v)]
+                    parts = f"{p.device(0) if p.cpu or p.devices else '?'}: " + " | ".join(
+                        f"stage {s}: {contents[s]}" for s in ids) + f"  (pipeline {p.rank // t.pp})"
+                else:
+                    parts = " | ".join(f"{(p.device(i) if p.cpu or i < len(p.devices) else '?')}: {c}"
+                                       for i, c in enumerate(p.contents)) if p.nb_part else "-"
                 lines.append(f"  {p.rank:>4} {p.node:>4} {p.local_rank:>5}  {gpus:16} {idx:14} {parts}")
                 shown += 1
         lines += [f"  note: {n}" for n in self.notes]
@@ -498,6 +556,9 @@ def check_job(job: Job, training: Training) -> Report:
                        f"lacks SLURM_NTASKS_PER_NODE); use --nodes={len(tasks_per_node)} with the same "
                        f"--ntasks-per-node on every node")
 
+    stage = training.layout == "stage"
+    if stage:
+        training.nb_part = 1  # a task per GPU
     bound = bool(job.gpus_per_task) or re.sub(r"^verbose,", "", (job.gpu_bind or "none").lower()) != "none"
     if gpn and not bound and not training.nb_part:
         for tasks in sorted(set(tasks_per_node)):
@@ -524,8 +585,12 @@ def check_job(job: Job, training: Training) -> Report:
     report = Report(job, training, plans, findings)
     check_node_usage(report)
     nb_parts = [p.nb_part for p in plans if p.nb_part]
-    if nb_parts:
+    if stage:
+        check_training(check_stage(len(plans), tasks_per_node, gpn, training, findings), training, findings)
+    elif nb_parts:
         check_training(min(nb_parts), training, findings)
+    if training.layout not in ("replica", "stage"):
+        findings.error("bad-layout", f"--layout {training.layout!r} is not replica or stage")
     check_engine(job, training, findings)
     check_cpus(job, min(nb_parts) if nb_parts else 1, tasks_per_node, findings)
     check_time(job, findings)
@@ -738,7 +803,8 @@ def check_gpu_bind(value: str, where: str, findings: Findings) -> None:
 def training_from_argv(argv: list[str], t: Training, where: str, findings: Findings) -> None:
     """The trainer's own arguments on its srun line (only the ones the plan depends on)."""
     names = {"--nlayers": "nlayers", "--chunks": "chunks", "--batch-size": "batch_size", "--nb-part": "nb_part",
-             "--engine": "engine"}
+             "--engine": "engine", "--layout": "layout", "--pp": "pp", "--schedule": "schedule",
+             "--virtual-stages": "virtual_stages"}
     i = 0
     while i < len(argv):
         tok = argv[i]
@@ -755,13 +821,18 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
         if "$" in value:
             t.unchecked.append(f"{where}: {name} {value}")
             continue
-        if attr == "engine":
-            t.engine = value
+        if attr in ("engine", "layout", "schedule"):
+            setattr(t, attr, value)
             continue
         try:
-            setattr(t, attr, int(value))
+            number = int(value)
         except ValueError:
             findings.error("bad-value", f"{where}: {name} {value!r} is not an integer")
+            continue
+        if number < 1:
+            findings.error("bad-value", f"{where}: {name} {number} must be at least 1")
+            continue
+        setattr(t, attr, number)
 
 
 def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
@@ -868,7 +939,8 @@ def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
     gon = launch.env.get("SLURM_GPUS_ON_NODE", "").strip()
     findings = Findings()
     plan = plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, visible,
-                     int(gon) if gon.isdigit() else None, training.nlayers or 0, training.nb_part, findings)
+                     int(gon) if gon.isdigit() else None, training.nlayers or 0,
+                     1 if training.layout == "stage" else training.nb_part, findings)
     try:
         import psutil
         affinity = len(psutil.Process().cpu_affinity())
@@ -959,8 +1031,12 @@ def check_in_step(launch: idr_torch.Launch, training: Training) -> tuple[Report 
     report = Report(job, training, plans, findings)
     check_node_usage(report)
     nb = [p.nb_part for p in plans if p.nb_part]
-    if nb:
-        check_training(min(nb), training, findings, cpu=all(p.cpu for p in plans))
+    cpu = all(p.cpu for p in plans)
+    if training.layout == "stage":
+        check_training(check_stage(len(plans), launch.tasks_per_node, job.gpus_per_node, training, findings, cpu),
+                       training, findings, cpu=cpu)
+    elif nb:
+        check_training(min(nb), training, findings, cpu=cpu)
     note_page_indexing(report)
     code = 0 if report.ok else 1
     for c in conns:
@@ -995,6 +1071,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, help="per replica (task)")
     train.add_argument("--engine", choices=ENGINES)
     train.add_argument("--nb-part", type=int, help="GPUs per replica (default: derived as on the page)")
+    train.add_argument("--layout", choices=("replica", "stage"))
+    train.add_argument("--pp", type=int, help="stage layout: tasks per pipeline")
+    train.add_argument("--schedule", choices=SCHEDULES)
+    train.add_argument("--virtual-stages", type=int)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -1012,7 +1092,10 @@ def main(argv: list[str] | None = None) -> int:
     training = Training()
 
     def override(t: Training) -> Training:
-        for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part"):
+        for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part", "layout", "pp", "schedule",
+                     "virtual_stages"):
+            if isinstance(getattr(args, name), int) and getattr(args, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
             if getattr(args, name) is not None:
                 setattr(t, name, getattr(args, name))
         if t.nlayers is None:
@@ -1032,6 +1115,9 @@ def main(argv: list[str] | None = None) -> int:
             if missing and not (args.gpus_per_task and args.nodes):
                 raise UsageError(f"planning needs {' and '.join(missing)} (and --ntasks-per-node), e.g. "
                                  "--nodes 3 --gpus-per-node 4 --ntasks-per-node 2")
+            bad = [k for k in PLANNING if isinstance(getattr(args, k), int) and getattr(args, k) < 1]
+            if bad:
+                raise UsageError(f"--{bad[0].replace('_', '-')} {getattr(args, bad[0])} must be at least 1")
             job = Job(**{k: getattr(args, k) for k in PLANNING})
             job.source = (f"plan: {args.nodes} node(s) x {args.gpus_per_node or '?'} GPU(s), "
                           f"--ntasks-per-node={args.ntasks_per_node}")

@@ -21,8 +21,10 @@ from pathlib import Path
 KEY = ("device", "gpus", "tasks", "nb_part", "batch_per_gpu", "batch_size", "chunks", "layout")
 
 
-def kind(tasks: int, nb_part: int) -> str:
-    """The page's three regimes."""
+def kind(tasks: int, nb_part: int, layout: str = "replica") -> str:
+    """The page's three regimes, and the stage layout."""
+    if layout == "stage":
+        return f"stage: pp {nb_part} x dp {tasks // nb_part}"
     if tasks == 1:
         return "pure model parallel"
     if nb_part == 1:
@@ -48,9 +50,10 @@ def load(paths: list[Path]) -> tuple[list[dict], list[str]]:
             except (ValueError, KeyError, TypeError) as exc:
                 problems.append(f"{path}:{n}: skipped ({type(exc).__name__}: {exc})")
                 continue
-            r["gpus"] = r["tasks"] * r["nb_part"]
-            r["batch_per_gpu"] = r["batch_size"] // r["nb_part"]
             r["layout"] = r.get("layout", "replica")
+            # replica layout: a task per replica over nb_part GPUs; stage layout: a task per GPU
+            r["gpus"] = int(r.get("gpus") or r["tasks"] * r["nb_part"])
+            r["batch_per_gpu"] = r["batch_size"] // r["nb_part"]
             records.append(r)
     return records, problems
 
@@ -65,7 +68,7 @@ def merge(records: list[dict]) -> list[dict]:
             vals = [r[field] for r in runs if r.get(field) is not None]
             return statistics.median(vals) if vals else None
         row = dict(zip(KEY, key))
-        row.update(runs=len(runs), kind=kind(row["tasks"], row["nb_part"]), samples_per_s=med("samples_per_s"),
+        row.update(runs=len(runs), kind=kind(row["tasks"], row["nb_part"], row["layout"]), samples_per_s=med("samples_per_s"),
                    epoch_time_s=med("epoch_time_s"), peak_gpu_mem_gb=med("peak_gpu_mem_gb"),
                    test_acc=med("test_acc"), engine=runs[-1].get("engine"), torch=runs[-1].get("torch"))
         rows.append(row)
@@ -90,7 +93,7 @@ def markdown(rows: list[dict], title: str) -> str:
                 "| peak GPU mem (GiB) | test acc | runs |",
                 "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in group:
-            out.append(f"| {r['tasks']} | {r['nb_part']} | {r['kind']}{'' if r['layout'] == 'replica' else ' (' + r['layout'] + ')'} "
+            out.append(f"| {r['tasks']} | {r['nb_part']} | {r['kind']} "
                        f"| {r['batch_per_gpu']} | {r['batch_size']} | {r['chunks']} | "
                        f"{fmt(r['samples_per_s'], '.1f')} | {fmt(r['epoch_time_s'], '.1f')} | "
                        f"{fmt(r['peak_gpu_mem_gb'], '.2f')} | {fmt(r['test_acc'], '.3f')} | {r['runs']} |")
@@ -123,18 +126,18 @@ def plot(rows: list[dict], path: Path, title: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib); the tables are complete without it"
     groups = _groups(rows)
-    ncols = max(len({(r["tasks"], r["layout"]) for r in g}) for _, g in groups)
+    ncols = max(len({(r["layout"], r["tasks"], r["nb_part"]) for r in g}) for _, g in groups)
     fig, axes = plt.subplots(len(groups), ncols, figsize=(3.6 * ncols, 3.2 * len(groups)), squeeze=False,
                              sharey="row")
     for gi, ((device, gpus), group) in enumerate(groups):
-        panels = sorted({(r["tasks"], r["layout"]) for r in group})
+        panels = sorted({(r["layout"], r["tasks"], r["nb_part"]) for r in group})
         for pi in range(ncols):
             ax = axes[gi][pi]
             if pi >= len(panels):
                 ax.axis("off")
                 continue
-            tasks, layout = panels[pi]
-            sub = [r for r in group if (r["tasks"], r["layout"]) == (tasks, layout)]
+            layout, tasks, nb_part = panels[pi]
+            sub = [r for r in group if (r["layout"], r["tasks"], r["nb_part"]) == (layout, tasks, nb_part)]
             for bpg in sorted({r["batch_per_gpu"] for r in sub}):
                 pts = sorted((r["chunks"], r["samples_per_s"]) for r in sub
                              if r["batch_per_gpu"] == bpg and r["samples_per_s"])
@@ -145,8 +148,8 @@ def plot(rows: list[dict], path: Path, title: str) -> str | None:
             ax.set_xticks(sorted({r["chunks"] for r in sub}))
             ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            ax.set_title(f"{tasks} task(s) x nb_part {sub[0]['nb_part']}\n{sub[0]['kind']}"
-                         + ("" if layout == "replica" else f" ({layout})"), fontsize=9)
+            ax.set_title(f"{sub[0]['kind']}" if layout == "stage" else
+                         f"{tasks} task(s) x nb_part {nb_part}\n{sub[0]['kind']}", fontsize=9)
             ax.set_xlabel("chunks")
             if pi == 0:
                 ax.set_ylabel(f"{gpus} {'GPUs' if device == 'cuda' else 'CPU parts'}: samples/s")

@@ -31,4 +31,21 @@ for n in $TASKS; do
     done
   done
 done
+# Beyond the page: the same model and global batch on torch.distributed.pipelining, a process per part.
+if [ -n "${STAGE_PP-2 4}" ] && "$PYTHON" -c "import torch.distributed.pipelining" 2>/dev/null; then
+  for pp in ${STAGE_PP-2 4}; do
+    for per_part in $BATCH_PER_PART; do
+      batch=$(( per_part * pp ))  # per pipeline; PARTS/pp pipelines: same global batch as above
+      for chunks in $CHUNKS; do
+        if [ "$chunks" -lt "$pp" ] || [ $(( batch % chunks )) -ne 0 ]; then
+          echo "skip: stage pp=$pp batch=$batch chunks=$chunks (1f1b wants chunks >= pp, dividing the batch)"; continue
+        fi
+        echo "run: stage layout pp=$pp x dp=$(( PARTS / pp )) batch=$batch chunks=$chunks"
+        "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$PARTS" bench_ddp_transformer.py \
+            --layout stage --pp "$pp" --schedule 1f1b --chunks "$chunks" --batch-size "$batch" --epochs 1 \
+            --synthetic "$SYNTHETIC" --json-out "$RESULTS" > /dev/null 2>&1
+      done
+    done
+  done
+fi
 echo "results in $RESULTS"

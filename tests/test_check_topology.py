@@ -265,3 +265,44 @@ def test_allocation_from_batch_environment():
     del uneven["SLURM_NTASKS_PER_NODE"]
     report = ct.check_job(ct.job_from_allocation(uneven), ct.Training(nlayers=8))
     assert "uneven-tasks-per-node" in {f.code for f in report.findings} and not report.ok
+
+
+# ---- the stage layout (torch.distributed.pipelining): a task per GPU, pipelines of --pp tasks ----------------------
+def stage_report(**kw) -> ct.Report:
+    training = ct.Training(nlayers=kw.pop("nlayers", 16), chunks=kw.pop("chunks", 8), batch_size=64,
+                           layout="stage", pp=kw.pop("pp", 4), schedule=kw.pop("schedule", "1f1b"))
+    job = ct.Job(nodes=kw.pop("nodes", 2), gpus_per_node=4, ntasks_per_node=kw.pop("tpn", 4), cpus_per_task=10,
+                 hint="nomultithread", constraint="v100-32g", time="1:00:00")
+    return ct.check_job(job, training)
+
+
+def test_stage_layout_clean_plan():
+    report = stage_report()
+    assert report.ok and not report.findings, [str(f) for f in report.findings]
+    assert [p.devices for p in report.tasks] == [[0], [1], [2], [3]] * 2  # one GPU each
+    assert "2 pipeline(s) x pp 4" in report.text() and "stage 3: Layer 12-15 + Decoder" in report.text()
+
+
+@pytest.mark.parametrize("kw,code,level", [
+    (dict(pp=3), "pp-not-dividing-world", "error"),
+    (dict(pp=8), "pipeline-spans-nodes", "warning"),
+    (dict(pp=4, chunks=2), "chunks-below-stages", "error"),
+    (dict(pp=1), "pp-too-small", "error"),
+    (dict(tpn=2, pp=2), "gpus-idle", "warning"),
+    (dict(pp=4, nlayers=3), "nlayers-below-nb-part", "error"),
+])
+def test_stage_layout_findings(kw, code, level):
+    report = stage_report(**kw)
+    found = {(f.code, f.level) for f in report.findings}
+    assert (code, level) in found, found
+
+
+def test_stage_layout_from_sbatch_line(tmp_path):
+    script = tmp_path / "stage.slurm"
+    script.write_text("#!/bin/bash\n#SBATCH -C v100-32g -N 2 --gres=gpu:4 --ntasks-per-node=4 -c 10 "
+                      "--hint=nomultithread -t 1:00:00\n"
+                      "srun python bench_ddp_transformer.py --layout stage --pp 3 --schedule gpipe --nlayers 12\n")
+    job, training, findings = ct.read_sbatch(script)
+    assert (training.layout, training.pp, training.schedule) == ("stage", 3, "gpipe")
+    report = ct.check_job(job, training)
+    assert "pp-not-dividing-world" in {f.code for f in report.findings}

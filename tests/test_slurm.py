@@ -225,10 +225,11 @@ def test_time_limit_signal_requeues_and_resumes(slurm_cluster, workdir):
         assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.2)
     assert run(["scancel", "--signal=USR1", job], slurm_cluster, workdir).returncode == 0
-    hurried = False
-    while (state := job_state(slurm_cluster, workdir, job)).get("JobState") not in ("COMPLETED", "FAILED",
-                                                                                   "CANCELLED", "TIMEOUT"):
-        assert time.monotonic() < deadline + 240, state
+    hurried, seen = False, []
+    # poll until COMPLETED: around the requeue Slurm may show a passing state for the stopped run
+    while (state := job_state(slurm_cluster, workdir, job)).get("JobState") != "COMPLETED":
+        seen.append(state.get("JobState"))
+        assert time.monotonic() < deadline + 240, (state, sorted(set(seen)))
         if not hurried and state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
             # Slurm makes a requeued job eligible 120 s later; an admin's nudge saves the test that wait
             run(["scontrol", "update", f"jobid={job}", "StartTime=now"], slurm_cluster, workdir)

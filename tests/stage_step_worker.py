@@ -1,0 +1,38 @@
+"""One training step of the stage layout (torch.distributed.pipelining, DDP per stage) on a fixed global batch;
+saves the loss seen by the last stage and every local stage's gradients under the replica layout's names.
+Started once per task by tests/test_stage.py, under srun-like variables."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench_ddp_transformer as bench  # noqa: E402
+import idr_torch  # noqa: E402
+from hybrid_step_worker import global_batch  # noqa: E402
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    cfg = bench.parse_args(sys.argv[2:])
+    bench.resolve(cfg, cuda=False)
+    plan = bench.make_plan(cfg, cuda=False)
+    bench.init_distributed(120, cuda=False)
+    trainer = bench.Stages(cfg, plan, idr_torch.size, idr_torch.rank, cuda=False)
+    trainer.start()
+    x, y = global_batch(cfg, trainer.dp_size)
+    shard = slice(trainer.dp_rank * cfg.batch_size, (trainer.dp_rank + 1) * cfg.batch_size)
+    for opt in trainer.optimizers.values():  # gradients only: the step's update must not run
+        opt.step = lambda *a, **k: None
+    stats = trainer.train_step(x[shard], y[shard])
+    torch.save({"stats": stats, "last": trainer.last_holder,
+                "grads": {f"{s}.{n}": p.grad.clone() for s, m in trainer.modules.items()
+                          for n, p in m.named_parameters()}}, out_dir / f"rank{idr_torch.rank}.pt")
+    trainer.close()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

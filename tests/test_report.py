@@ -1,0 +1,76 @@
+"""slurm/report.py on known records, and the local CPU sweep end to end (make sweep at small scale)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT, clean_env
+
+sys.path.insert(0, str(ROOT / "slurm"))
+import report  # noqa: E402
+
+
+def record(tasks, nb_part, batch, chunks, sps, layout="replica", acc=0.9):
+    return {"device": "cuda", "tasks": tasks, "nb_part": nb_part, "batch_size": batch, "chunks": chunks,
+            "samples_per_s": sps, "epoch_time_s": 10.0, "peak_gpu_mem_gb": 3.5, "test_acc": acc, "layout": layout,
+            "gpus": tasks if layout == "stage" else tasks * nb_part, "engine": "fairscale", "torch": "2.13.0"}
+
+
+def test_table_merges_repeats_and_names_regimes(tmp_path):
+    runs = tmp_path / "runs.jsonl"
+    rows = [record(1, 4, 128, 4, 100.0), record(1, 4, 128, 4, 120.0), record(1, 4, 128, 4, 300.0),
+            record(2, 2, 64, 2, 250.0), record(4, 1, 32, 1, 400.0), record(4, 2, 64, 4, 380.0, layout="stage")]
+    runs.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
+    r = subprocess.run([sys.executable, str(ROOT / "slurm" / "report.py"), str(runs), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    assert "runs.jsonl:7: skipped" in r.stderr  # the broken line is named, not fatal
+    md = (tmp_path / "out" / "sweep.md").read_text()
+    assert "| 1 | 4 | pure model parallel | 32 | 128 | 4 | 120.0 |" in md  # median of 100, 120, 300
+    assert "| 2 | 2 | hybrid | 32 | 64 | 2 | 250.0 |" in md
+    assert "| 4 | 1 | pure data parallel | 32 | 32 | 1 | 400.0 |" in md
+    assert "stage: pp 2 x dp 2" in md
+    assert "Fastest: 4 task(s) x nb_part 1 (pure data parallel)" in md
+    with open(tmp_path / "out" / "sweep.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    assert (tmp_path / "out" / "throughput.png").stat().st_size > 10_000
+
+
+def test_no_matplotlib_still_writes_tables(tmp_path, monkeypatch):
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(json.dumps(record(2, 2, 64, 2, 250.0)) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert report.main([str(runs), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "sweep.md").exists() and not (tmp_path / "out" / "throughput.png").exists()
+
+
+def test_empty_results_fail_clearly(tmp_path, capsys):
+    runs = tmp_path / "empty.jsonl"
+    runs.write_text("")
+    assert report.main([str(runs), "--out", str(tmp_path / "out")]) == 1
+    assert "no usable result" in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+def test_local_sweep_end_to_end(tmp_path):
+    results = tmp_path / "cpu.jsonl"
+    env = clean_env(PYTHON=sys.executable, TASKS="1 2", BATCH_PER_PART="8", CHUNKS="1 2", STAGE_PP="2",
+                    SYNTHETIC="600")
+    r = subprocess.run(["bash", str(ROOT / "slurm" / "sweep_local.sh"), str(results)], env=env, capture_output=True,
+                       text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    got = sorted((x.get("layout", "replica"), x["tasks"], x["nb_part"], x["chunks"]) for x in lines)
+    expect = [("replica", 1, 4, 1), ("replica", 1, 4, 2), ("replica", 2, 2, 1), ("replica", 2, 2, 2)]
+    import importlib.util
+    if importlib.util.find_spec("torch.distributed.pipelining"):
+        expect.append(("stage", 4, 2, 2))
+    assert got == sorted(expect)
+    assert report.main([str(results), "--out", str(tmp_path / "out")]) == 0
+    # matplotlib is optional (the torch 2.3 lane has none): tables always, the plot where it imports
+    assert (tmp_path / "out" / "throughput.png").exists() == bool(importlib.util.find_spec("matplotlib"))

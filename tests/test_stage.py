@@ -1,0 +1,98 @@
+"""--layout stage: a task per GPU, torch.distributed.pipelining stages, DDP over each stage's dp group.
+The same correctness tests as the page's layout: learning, replicas in sync, gradients of the plain model,
+checkpoints (which move between the two layouts)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from launch import ROOT, bench, run_tasks, srun_envs
+
+pytestmark = pytest.mark.multiproc
+TORCH = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+
+
+@pytest.fixture(autouse=True)
+def pipelining():
+    if TORCH < (2, 4):
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.pipelining schedules (needs >= 2.4)")
+
+
+def ok(results) -> str:
+    for i, r in enumerate(results):
+        assert r.returncode == 0, f"rank {i} exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return results[0].stdout
+
+
+def test_stage_layout_learns_in_sync_and_checkpoints(tmp_path):
+    out, ckpt = tmp_path / "runs.jsonl", tmp_path / "stage.pt"
+    stdout = ok(bench(["--layout", "stage", "--pp", "2", "--schedule", "1f1b", "--chunks", "2", "--batch-size", "32",
+                       "--synthetic", "2000", "--epochs", "2", "--cache-dir", str(tmp_path), "--json-out", str(out),
+                       "--save", str(ckpt)], ntasks=4, nodes=2))
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (record["layout"], record["pp"], record["replicas"], record["nb_part"]) == ("stage", 2, 2, 2)
+    assert record["replica_divergence"] == 0.0  # DDP over each stage's dp group kept the pipelines equal
+    assert [p["stages"] for p in record["plans"]] == [[0], [1], [0], [1]]  # consecutive ranks form a pipeline
+    assert [p["dp_rank"] for p in record["plans"]] == [0, 0, 1, 1]
+    assert record["epochs"][1]["loss"] < record["epochs"][0]["loss"] and record["test_acc"] > 0.9
+    assert "2 pipeline(s) x pp 2" in stdout
+    # consolidated: the replica layout's keys, so the page's layout loads it (and the other way round)
+    state = torch.load(ckpt, weights_only=False)
+    assert "0.0.embedding.weight" in state["model"] and "1.2.head.2.weight" in state["model"]
+    assert state["layout"]["nb_part"] == 2
+    resumed = ok(bench(["--layout", "replica", "--nb-part", "2", "--batch-size", "32", "--synthetic", "2000",
+                        "--epochs", "3", "--cache-dir", str(tmp_path), "--load", str(ckpt), "--save",
+                        str(tmp_path / "replica.pt")], ntasks=2))
+    assert f"loaded {ckpt}: epoch 2" in resumed and "epoch   3 |" in resumed
+    back = ok(bench(["--layout", "stage", "--pp", "2", "--schedule", "gpipe", "--chunks", "2", "--batch-size", "32",
+                     "--synthetic", "2000", "--epochs", "4", "--cache-dir", str(tmp_path), "--load",
+                     str(tmp_path / "replica.pt")], ntasks=2))
+    assert "epoch   4 |" in back
+
+
+@pytest.mark.parametrize("schedule,virtual,chunks", [("gpipe", 1, 2), ("1f1b", 1, 4), ("interleaved1f1b", 2, 4)])
+def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chunks):
+    args = ["--layout", "stage", "--pp", "2", "--schedule", schedule, "--virtual-stages", str(virtual),
+            "--chunks", str(chunks), "--nlayers", "4", "--batch-size", "8", "--dropout", "0", "--seed", "11"]
+    ok(run_tasks([str(ROOT / "tests" / "stage_step_worker.py"), str(tmp_path), *args], srun_envs(4)))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import bench_ddp_transformer as b
+    import check_topology as ct
+    from hybrid_step_worker import global_batch
+    cfg = b.parse_args(args)
+    b.resolve(cfg, cuda=False)
+    torch.manual_seed(cfg.seed)
+    parts = 2 * virtual
+    reference = torch.nn.Sequential(*b.build_module_list(cfg, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, parts)))
+    x, y = global_batch(cfg, 2)  # 2 pipelines
+    loss = torch.nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    expected = dict(reference.named_parameters())
+
+    seen = {}
+    for r in ranks:
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, expected[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+            seen[name] = True
+    assert seen.keys() == expected.keys()  # every parameter lives on some stage
+    lasts = [r["stats"] for r in ranks if r["last"]]
+    assert len(lasts) == 2  # one last stage per pipeline
+    mean_loss = sum(s[0] / s[2] for s in lasts) / 2
+    torch.testing.assert_close(mean_loss.float(), loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--pp", "3"], "--pp 3 must divide the world size (4 tasks)"),
+    (["--pp", "2", "--schedule", "1f1b", "--chunks", "1"], "--schedule 1f1b needs --chunks >= the 2 stages"),
+    (["--pp", "1"], "--pp 1: a pipeline needs at least 2 stages"),
+])
+def test_stage_layout_bad_requests(tmp_path, args, needle):
+    results = bench(["--layout", "stage", *args, "--cache-dir", str(tmp_path)], ntasks=4, timeout=90)
+    assert all(r.returncode == 1 for r in results)
+    assert needle in results[0].stderr and "Traceback" not in results[0].stderr
