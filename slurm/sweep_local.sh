@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 RESULTS=${1:-report/cpu_sweep.jsonl}
 PARTS=${PARTS:-4}
-TASKS=${TASKS:-"1 2"}
+TASKS=${TASKS:-"1 2 4"}
 BATCH_PER_PART=${BATCH_PER_PART:-"8 16"}
 CHUNKS=${CHUNKS:-"1 2 4 8"}
 SYNTHETIC=${SYNTHETIC:-2000}
