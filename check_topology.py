@@ -312,9 +312,9 @@ def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
         return [tpn] * nodes
     if job.ntasks is None:
         findings.warn("ntasks-per-node-missing",
-                      f"--ntasks-per-node is not given: Slurm runs 1 task per node (pure model parallel inside "
-                      f"each node) and SLURM_NTASKS_PER_NODE does not exist for the page's code; add "
-                      f"--ntasks-per-node=1 to say so")
+                      "--ntasks-per-node is not given: Slurm runs 1 task per node (pure model parallel inside "
+                      "each node) and SLURM_NTASKS_PER_NODE does not exist for the page's code; add "
+                      "--ntasks-per-node=1 to say so")
         return [1] * nodes
     if nodes == 1:
         findings.warn("ntasks-per-node-missing",

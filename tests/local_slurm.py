@@ -118,7 +118,9 @@ class LocalCluster:
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={free_port()}",
             "AuthType=auth/munge", "CredType=cred/munge",
-            f"AuthInfo=socket={r}/munge/munge.socket",
+            # cred_expire also sets how long a requeued job waits before it may start again (default 120 s);
+            # restarting sooner than that fails with "Job credential revoked", so shorten the wait, not skip it
+            f"AuthInfo=socket={r}/munge/munge.socket,cred_expire=15",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/state/spool-%n",

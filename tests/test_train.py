@@ -131,7 +131,8 @@ def test_imdb_is_read_tokenised_and_cached(tmp_path, form):
 def test_save_load_and_layout_mismatch(tmp_path):
     ckpt = tmp_path / "model.pt"
     common = ["--synthetic", "800", "--cache-dir", str(tmp_path), "--nlayers", "4", "--batch-size", "16"]
-    stdout = ok(bench([*common, "--epochs", "1", "--save", str(ckpt)], ntasks=2))
+    saved = ok(bench([*common, "--epochs", "1", "--save", str(ckpt)], ntasks=2))
+    assert saved.count("checkpoint saved:") == 1  # rank 0 alone writes it
     state = torch.load(ckpt, weights_only=False)
     assert state["epoch"] == 1 and state["layout"]["nb_part"] == 2 and "optimizer" in state
     assert not any(k.startswith("module.") for k in state["model"])  # model.module.state_dict(): no prefix
