@@ -495,24 +495,22 @@ def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
     """This task's plan from check_topology, and its verdict on the arguments: errors stop us here, before
     init_process_group, with the same message the pre-flight check gives."""
     launch = idr_torch.current()
-    env_ids = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     if cuda:
         count = torch.cuda.device_count()
-        visible = env_ids if len(env_ids) == count else [str(i) for i in range(count)]
+        visible = launch.visible_gpus if len(launch.visible_gpus) == count else [str(i) for i in range(count)]
     else:  # CPU fallback: mirror the layout of the GPUs Slurm gave (if any), every part on the CPU
-        visible = [] if env_ids in ([], ["-1"], ["NoDevFiles"]) else env_ids
-    gon = os.environ.get("SLURM_GPUS_ON_NODE", "").strip() if launch.launcher == "slurm" else ""
+        visible = launch.visible_gpus
     findings = check_topology.Findings()
     stage = cfg.layout == "stage"
     plan = check_topology.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size,
-                                    visible, int(gon) if gon.isdigit() else None, cfg.nlayers,
+                                    visible, launch.gpus_on_node, cfg.nlayers,
                                     1 if stage else cfg.nb_part, findings)  # stage layout: a GPU per task
     plan.cpu = plan.cpu or not cuda
     training = check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
                                        engine=cfg.engine, nb_part=cfg.nb_part, layout=cfg.layout, pp=cfg.pp,
                                        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)
-    parts = check_topology.check_stage(launch.size, launch.tasks_per_node, int(gon) if gon.isdigit() else None,
-                                       training, findings, cpu=not cuda) if stage else plan.nb_part
+    parts = check_topology.check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, training,
+                                       findings, cpu=not cuda) if stage else plan.nb_part
     check_topology.check_training(parts, training, findings, cpu=not cuda)
     for f in findings:
         if f.level == "warning":

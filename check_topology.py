@@ -667,7 +667,6 @@ FLAGS = {"--exclusive", "--requeue", "--no-requeue", "--hold", "-H", "--wait", "
          "--oversubscribe", "-s", "--contiguous", "--spread-job", "--use-min-nodes", "--parsable", "--test-only",
          "-Q", "--quiet", "-v", "--verbose", "--ignore-pbs", "--no-kill", "-k", "--get-user-env", "--reboot",
          "--nvmps", "--exact", "--unbuffered", "-u", "--label", "-l", "--overlap", "--mpi-bind"}
-SHORT_WITH_VALUE = set("NncGCtpAJoeDqsdwxLaMFimQ")
 
 
 def parse_options(tokens: list[str], where: str, findings: Findings) -> list[tuple[str, str | None]]:
@@ -934,12 +933,10 @@ def job_from_allocation(env: dict[str, str]) -> Job:
 
 def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
     """What this task really sees, for the collective report."""
-    visible_raw = launch.env.get("CUDA_VISIBLE_DEVICES")
-    visible = [g for g in (visible_raw or "").split(",") if g.strip() and visible_raw not in ("-1", "NoDevFiles")]
-    gon = launch.env.get("SLURM_GPUS_ON_NODE", "").strip()
+    visible = launch.visible_gpus
     findings = Findings()
     plan = plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, visible,
-                     int(gon) if gon.isdigit() else None, training.nlayers or 0,
+                     launch.gpus_on_node, training.nlayers or 0,
                      1 if training.layout == "stage" else training.nb_part, findings)
     try:
         import psutil
@@ -952,9 +949,9 @@ def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
                       f"--cpus-per-task={cpt}: its DataLoader workers will share them")
     if not visible:
         findings.warn("no-gpu-visible", f"task {launch.rank} sees no GPU (CUDA_VISIBLE_DEVICES="
-                      f"{visible_raw!r}): the trainer will run its {plan.nb_part} parts on the CPU")
+                      f"{launch.env.get('CUDA_VISIBLE_DEVICES')!r}): the trainer will run its {plan.nb_part} parts on the CPU")
     return {"host": socket.gethostname(), "plan": asdict(plan), "findings": [asdict(f) for f in findings],
-            "gpus_on_node": gon}
+            "gpus_on_node": launch.gpus_on_node}
 
 
 def collect_reports(launch: idr_torch.Launch, facts: dict,
@@ -1021,8 +1018,8 @@ def check_in_step(launch: idr_torch.Launch, training: Training) -> tuple[Report 
             continue
         plans.append(TaskPlan(**f["plan"]))
         findings.extend(Finding(**x) for x in f["findings"])
-        if job.gpus_per_node is None and str(f.get("gpus_on_node", "")).isdigit():
-            job.gpus_per_node = int(f["gpus_on_node"])
+        if job.gpus_per_node is None and f.get("gpus_on_node") is not None:
+            job.gpus_per_node = f["gpus_on_node"]
     _dedupe(findings)
     if len(set(launch.tasks_per_node)) > 1:
         findings.error("uneven-tasks-per-node",

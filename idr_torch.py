@@ -243,6 +243,18 @@ class Launch:
         return [g.strip() for g in value.split(",") if g.strip()]
 
     @cached_property
+    def visible_gpus(self) -> list[str]:
+        """CUDA_VISIBLE_DEVICES as a list: the GPUs this process may use, in CUDA order; [] when none."""
+        value = self.env.get("CUDA_VISIBLE_DEVICES", "").strip()
+        return [] if value in ("-1", "NoDevFiles") else [g.strip() for g in value.split(",") if g.strip()]
+
+    @cached_property
+    def gpus_on_node(self) -> int | None:
+        """SLURM_GPUS_ON_NODE inside an srun task (the step's GPUs on this node), else None."""
+        value = self.env.get("SLURM_GPUS_ON_NODE", "").strip()
+        return int(value) if self.launcher == "slurm" and value.isdigit() else None
+
+    @cached_property
     def job_id(self) -> str | None:
         return self._get("SLURM_JOB_ID", "SLURM_JOBID")[1]
 

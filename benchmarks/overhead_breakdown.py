@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ddp_transformer as b  # noqa: E402
+from budget import MODEL as BUDGET_MODEL  # noqa: E402
 import check_topology as ct  # noqa: E402
 import idr_torch  # noqa: E402
 
-MODEL = ["--nlayers", "4", "--d-model", "256", "--n-head", "8", "--d-hid", "1024", "--seq-len", "128",
-         "--vocab-size", "4000", "--dropout", "0", "--batch-size", "32", "--nb-part", "2", "--chunks", "4"]
+MODEL = [*BUDGET_MODEL, "--chunks", "4"]  # the budget's model, at its chunks
 
 
 def main(mode: str) -> None:
