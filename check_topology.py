@@ -250,6 +250,9 @@ class Training:
     pp: int = 2
     schedule: str = "1f1b"
     virtual_stages: int = 2
+    precision: str = "fp32"  # fp32, bf16 or fp16 (autocast)
+    activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
+    zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
     unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
 
 
@@ -329,6 +332,182 @@ def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
                       f"choose --ntasks a multiple of {nodes} and add --ntasks-per-node"))
     base, extra = divmod(job.ntasks, nodes)
     return [base + (1 if i < extra else 0) for i in range(nodes)]
+
+
+# ---- memory: will it fit? -------------------------------------------------------------------------------------
+# What one GPU (one part of a replica) holds during a training step of the model of bench_ddp_transformer.py,
+# in bytes, from the model arguments alone. Validated on the CPU against the bytes autograd really saves
+# (benchmarks/memory_grid.py, tests/test_memory.py); the GPU comparison is benchmarks/memory_gpu.py.
+# The terms, per part:
+#   params     4 bytes per parameter (fp32; autocast keeps the weights fp32: they are the master copy)
+#   grads      4 bytes per parameter (the gradients of fp32 weights are fp32)
+#   optimizer  AdamW's exp_avg and exp_avg_sq, fp32 (torch/optim/adamw.py); under --zero the share of the worst
+#              rank, partitioned the way ZeroRedundancyOptimizer does it (_partition_parameters: largest first,
+#              each to the rank with the fewest elements so far)
+#   master     0: with autocast the fp32 weights are the master copy; nothing extra is kept
+#   weight_copies  under bf16/fp16 autocast, the low-precision copy of every matmul weight that autograd saves,
+#              one per micro-batch alive (the autocast cache lives for one forward of one part)
+#   activations  what autograd saves for the backward pass: per micro-batch x micro-batches alive. GPipe with
+#              checkpoint="never" runs every micro-batch's forward before any backward, so all `chunks` of them
+#              are alive at once: more chunks do NOT lower activation memory (they shrink each micro-batch by as
+#              much as they add micro-batches). With --activation-checkpointing only each Layer's input is kept.
+#   recompute  with --activation-checkpointing: one Layer's full working set while it is recomputed (1 micro-batch)
+#   logits     the logits, the loss's saved softmax and the labels (2 classes here: small)
+#   buckets    DDP's gradient buckets: a copy of the part's gradients (gradient_as_bucket_view=False, the default;
+#              torch/csrc/distributed/c10d/reducer.cpp allocates each bucket's flat buffer per device)
+#   buffers    the Encoder's positional table (part 0)
+#   allowance  CUDA context, cuBLAS/NCCL workspaces and the caching allocator's slack: a stated allowance,
+#              ALLOWANCE_GIB plus ALLOWANCE_FRACTION of the rest, not measured here (no GPU)
+PRECISIONS = ("fp32", "bf16", "fp16")
+ALLOWANCE_GIB = 1.0
+ALLOWANCE_FRACTION = 0.10
+GIB = 2 ** 30
+# Memory of one GPU, GiB as nvidia-smi reports the boards' totals (V100-SXM2-16GB 16160 MiB, -32GB 32510 MiB,
+# A100-SXM4-40GB 40960 MiB, A100-SXM4-80GB 81920 MiB, H100 80GB HBM3 81559 MiB). Which board a request gets, from
+# IDRIS's "Jean Zay: GPU Slurm partitions" page (idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
+# -C v100-16g (ex gpu_p3) and -C v100-32g (ex gpu_p1) on gpu_p13's 4-GPU nodes, which mix both (so gpu_p13
+# without -C may get 16 GB: assume the smaller); gpu_p2 8 x V100 32 GB; -C a100 is gpu_p5's 8 x A100 80 GB (the
+# 40 GB A100s are the gpu_p4 partition's); -C h100 is gpu_p6's 4 x H100 80 GB.
+GPU_MEMORY_GIB = {"v100-16g": 16160 / 1024, "v100-32g": 32510 / 1024, "gpu_p2": 32510 / 1024,
+                  "gpu_p4": 40960 / 1024, "a100": 81920 / 1024, "h100": 81559 / 1024}
+PARTITION_MEMORY = {"gpu_p13": "v100-16g", "gpu_p3": "v100-16g", "gpu_p1": "v100-32g", "gpu_p2": "gpu_p2",
+                    "gpu_p2s": "gpu_p2", "gpu_p2l": "gpu_p2", "gpu_p4": "gpu_p4", "gpu_p5": "a100", "gpu_p6": "h100"}
+
+
+@dataclass
+class PartMemory:
+    """Bytes one GPU (part `part` of a replica) holds at the peak of a training step."""
+    part: int
+    contents: str
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    master: int = 0
+    weight_copies: int = 0
+    activations: int = 0
+    per_micro_batch: int = 0  # activations of one micro-batch
+    alive: int = 0  # micro-batches alive at once
+    recompute: int = 0
+    logits: int = 0
+    buckets: int = 0
+    buffers: int = 0
+    allowance: int = 0
+
+    @property
+    def saved(self) -> int:
+        """What autograd keeps for the backward pass (the part the CPU validation counts with hooks)."""
+        return self.activations + self.weight_copies + self.recompute
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.master + self.saved + self.logits + self.buckets
+                + self.buffers + self.allowance)
+
+    def breakdown(self) -> dict[str, float]:
+        """GiB per term, the non-zero ones, for messages and --json."""
+        names = ("params", "grads", "optimizer", "master", "weight_copies", "activations", "recompute", "logits",
+                 "buckets", "buffers", "allowance")
+        return {n: round(getattr(self, n) / GIB, 3) for n in names if getattr(self, n)}
+
+
+def model_args(t: "Training", cpu: bool = False, **given: int | float | None) -> dict:
+    """The model arguments the trainer would use: the line's values, else GPU_DEFAULTS (or CPU_DEFAULTS)."""
+    defaults = CPU_DEFAULTS if cpu else GPU_DEFAULTS
+    model = {k: v for k, v in defaults.items()}
+    model.update({k: v for k, v in dict(nlayers=t.nlayers, chunks=t.chunks, batch_size=t.batch_size).items()
+                  if v is not None})
+    model.update({k: v for k, v in given.items() if v is not None})
+    return model
+
+
+def _layer_params(d: int, dh: int) -> list[int]:
+    """nn.TransformerEncoderLayer's parameters in registration order: in_proj w/b, out_proj w/b, linear1 w/b,
+    linear2 w/b, norm1 w/b, norm2 w/b."""
+    return [3 * d * d, 3 * d, d * d, d, dh * d, dh, d * dh, d, d, d, d, d]
+
+
+def _replica_params(model: dict, nb_part: int) -> list[tuple[int, int]]:
+    """(elements, part) of every parameter of a replica, in model.parameters() order."""
+    d, dh = model["d_model"], model["d_hid"]
+    layer_part = [p for p, n in enumerate(part_sizes(model["nlayers"], nb_part)) for _ in range(n)]
+    out = [(model["vocab_size"] * d, 0)]  # Encoder: the embedding table
+    for part in layer_part:
+        out += [(n, part) for n in _layer_params(d, dh)]
+    out += [(n, nb_part - 1) for n in (dh * d, dh, 2 * dh, 2)]  # Decoder: Linear(d, dh), ReLU, Linear(dh, 2)
+    return out
+
+
+def _zero_shares(params: list[tuple[int, int]], nb_part: int, replicas: int) -> list[int]:
+    """Per part, the most parameter elements any one rank owns there under ZeroRedundancyOptimizer."""
+    sizes, owned = [0] * replicas, [[0] * nb_part for _ in range(replicas)]
+    for numel, part in sorted(params, key=lambda p: p[0], reverse=True):  # stable, like torch's sorted()
+        rank = sizes.index(min(sizes))
+        sizes[rank] += numel
+        owned[rank][part] += numel
+    return [max(owned[r][p] for r in range(replicas)) for p in range(nb_part)]
+
+
+def _layer_saved(model: dict, a: int, tokens: int) -> int:
+    """Bytes one Layer saves for backward for `tokens` tokens (measured op by op with saved_tensors_hooks on
+    torch 2.13: the input (cast), q/k/v, attention output, FFN input (cast) and ReLU output in the compute dtype;
+    two residual sums with their LayerNorm statistics and the attention's logsumexp per head in fp32)."""
+    d, dh, h = model["d_model"], model["d_hid"], model["n_head"]
+    per_token = a * (6 * d + dh) + 2 * (4 * d + 8) + 4 * h
+    if model.get("dropout", 0.0) > 0:  # CUDA's native_dropout keeps a 1-byte mask; the FFN's output is kept too
+        per_token += a * dh + (2 * d + dh)
+    return per_token * tokens
+
+
+def estimate_memory(model: dict, t: "Training", nb_part: int, replicas: int) -> list[PartMemory]:
+    """Per part (GPU) of one replica, the bytes it holds at the peak of a training step (see the terms above).
+    `model` holds nlayers, d_model, n_head, d_hid, seq_len, vocab_size, batch_size (per replica), chunks
+    (dropout optional) as the trainer resolves them."""
+    if t.precision not in PRECISIONS:
+        raise ValueError(f"precision {t.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if nb_part < 1 or replicas < 1 or model["chunks"] < 1 or model["batch_size"] < model["chunks"]:
+        raise ValueError(f"need nb_part, replicas >= 1 and 1 <= chunks <= batch_size, got nb_part={nb_part}, "
+                         f"replicas={replicas}, chunks={model['chunks']}, batch_size={model['batch_size']}")
+    a = 4 if t.precision == "fp32" else 2
+    d, dh, seq = model["d_model"], model["d_hid"], model["seq_len"]
+    micro = -(-model["batch_size"] // model["chunks"])  # samples per micro-batch
+    alive = model["chunks"]  # GPipe, checkpoint="never": every micro-batch until its backward
+    params = _replica_params(model, nb_part)
+    zero = _zero_shares(params, nb_part, replicas) if t.zero else None
+    layer_weights = a * (4 * d * d + 2 * d * dh) if a < 4 else 0
+    out = []
+    for p, (layers, contents) in enumerate(zip(part_sizes(model["nlayers"], nb_part),
+                                               part_contents(model["nlayers"], nb_part))):
+        numel = sum(n for n, part in params if part == p)
+        m = PartMemory(p, contents, params=4 * numel, grads=4 * numel, buckets=4 * numel, alive=alive)
+        m.optimizer = 8 * (zero[p] if zero else numel)
+        if t.activation_checkpointing:
+            mb = layers * 4 * micro * seq * d  # each Layer's input (fp32: LayerNorm's output)
+            m.recompute = (_layer_saved(model, a, micro * seq) + layer_weights) if layers else 0
+            copies = 0
+        else:
+            mb = layers * _layer_saved(model, a, micro * seq)
+            copies = layers * layer_weights
+        if p == 0:
+            mb += 8 * micro * seq + (micro * seq * d if model.get("dropout", 0.0) > 0 else 0)  # token ids (+ mask)
+            m.buffers = 4 * seq * d
+        if p == nb_part - 1:
+            mb += micro * a * (d + dh)  # Decoder: the mean (its Linear's input) and the ReLU output
+            copies += a * (dh * d + 2 * dh) if a < 4 else 0
+            m.logits = model["batch_size"] * (2 * (a + 4) + 8)  # logits, log-softmax, int64 labels
+        m.per_micro_batch, m.activations, m.weight_copies = mb, mb * alive, copies * alive
+        m.allowance = int(ALLOWANCE_GIB * GIB + ALLOWANCE_FRACTION * (m.total - m.allowance))
+        out.append(m)
+    return out
+
+
+def format_memory(parts: list[PartMemory], gpu_gib: float | None = None) -> str:
+    """One line: the peak part and its breakdown in GiB."""
+    worst = max(parts, key=lambda m: m.total)
+    g = {k: f"{v:.2f}" for k, v in worst.breakdown().items()}
+    terms = " + ".join(f"{k} {v}" for k, v in g.items())
+    room = f" of {gpu_gib:.1f} GiB" if gpu_gib else ""
+    return (f"memory estimate: {worst.total / GIB:.2f} GiB{room} on part {worst.part} ({worst.contents}) = {terms}; "
+            f"activations {worst.per_micro_batch / GIB:.3f} GiB per micro-batch x {worst.alive} alive")
 
 
 # ---- checks -----------------------------------------------------------------------------------------------------
