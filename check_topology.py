@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -236,6 +236,8 @@ class Job:
     partition: str | None = None
     time: str | None = None
     torch_module: str | None = None  # `module load pytorch-gpu/py3/<version>`
+    gpu_mem: float | None = None  # --gpu-mem: GiB per GPU, given by the user
+    gpu_mem_seen: float | None = None  # GiB per GPU as nvidia-smi shows it inside the allocation
     source: str = "command line"
 
 
@@ -253,6 +255,7 @@ class Training:
     precision: str = "fp32"  # fp32, bf16 or fp16 (autocast)
     activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
     zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
+    model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
     unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
 
 
@@ -370,6 +373,7 @@ GIB = 2 ** 30
 # 40 GB A100s are the gpu_p4 partition's); -C h100 is gpu_p6's 4 x H100 80 GB.
 GPU_MEMORY_GIB = {"v100-16g": 16160 / 1024, "v100-32g": 32510 / 1024, "gpu_p2": 32510 / 1024,
                   "gpu_p4": 40960 / 1024, "a100": 81920 / 1024, "h100": 81559 / 1024}
+V100_PARTITIONS = ("gpu_p13", "gpu_p1", "gpu_p3", "gpu_p2", "gpu_p2s", "gpu_p2l")
 PARTITION_MEMORY = {"gpu_p13": "v100-16g", "gpu_p3": "v100-16g", "gpu_p1": "v100-32g", "gpu_p2": "gpu_p2",
                     "gpu_p2s": "gpu_p2", "gpu_p2l": "gpu_p2", "gpu_p4": "gpu_p4", "gpu_p5": "a100", "gpu_p6": "h100"}
 
@@ -416,7 +420,7 @@ def model_args(t: "Training", cpu: bool = False, **given: int | float | None) ->
     model = {k: v for k, v in defaults.items()}
     model.update({k: v for k, v in dict(nlayers=t.nlayers, chunks=t.chunks, batch_size=t.batch_size).items()
                   if v is not None})
-    model.update({k: v for k, v in given.items() if v is not None})
+    model.update({k: v for k, v in {**t.model, **given}.items() if v is not None})
     return model
 
 
@@ -503,11 +507,159 @@ def estimate_memory(model: dict, t: "Training", nb_part: int, replicas: int) -> 
 def format_memory(parts: list[PartMemory], gpu_gib: float | None = None) -> str:
     """One line: the peak part and its breakdown in GiB."""
     worst = max(parts, key=lambda m: m.total)
-    g = {k: f"{v:.2f}" for k, v in worst.breakdown().items()}
+    g = {k: f"{v:.2f}" for k, v in worst.breakdown().items() if v >= 0.005}
     terms = " + ".join(f"{k} {v}" for k, v in g.items())
     room = f" of {gpu_gib:.1f} GiB" if gpu_gib else ""
     return (f"memory estimate: {worst.total / GIB:.2f} GiB{room} on part {worst.part} ({worst.contents}) = {terms}; "
             f"activations {worst.per_micro_batch / GIB:.3f} GiB per micro-batch x {worst.alive} alive")
+
+
+def gpu_memory(job: "Job") -> tuple[float | None, str]:
+    """GiB of one of the job's GPUs and where that came from: --gpu-mem, else the GPUs of this allocation
+    (nvidia-smi), else the constraint or partition."""
+    if job.gpu_mem is not None:
+        return job.gpu_mem, f"--gpu-mem {job.gpu_mem:g}"
+    if job.gpu_mem_seen is not None:
+        return job.gpu_mem_seen, "the allocation's GPUs (nvidia-smi)"
+    for c in re.split(r"[&|,\[\]*]", (job.constraint or "").lower()):
+        if c.strip() in GPU_MEMORY_GIB:
+            return GPU_MEMORY_GIB[c.strip()], f"-C {c.strip()}"
+    kind = PARTITION_MEMORY.get(job.partition or "")
+    if kind:
+        return GPU_MEMORY_GIB[kind], f"partition {job.partition}" + (
+            ", which mixes 16 and 32 GB V100s: assuming 16 GB" if job.partition == "gpu_p13" else "")
+    return None, "unknown"
+
+
+def is_v100(job: "Job") -> bool:
+    return "v100" in (job.constraint or "").lower() or job.partition in V100_PARTITIONS
+
+
+def gpus_memory_here() -> float | None:
+    """The smallest GPU memory nvidia-smi shows in this allocation, in GiB (None without nvidia-smi)."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        mib = [float(x) for x in out.split()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(mib) / 1024 if mib else None
+
+
+def _estimate(model: dict, t: "Training", nb_part: int, replicas: int) -> PartMemory:
+    return max(estimate_memory(model, t, nb_part, replicas), key=lambda m: m.total)
+
+
+def memory_fixes(model: dict, t: "Training", nb_part: int, replicas: int, tpn: int, gib: float,
+                 v100: bool) -> list[str]:
+    """The cheap fixes for a part that does not fit, each with its own new estimate (re-estimated, not scaled)."""
+    low = "fp16" if v100 else "bf16"
+    tries: list[tuple[str, dict, Training, int, int]] = []
+    if not t.activation_checkpointing:
+        tries.append(("--activation-checkpointing", model, replace(t, activation_checkpointing=True), nb_part, replicas))
+    if t.precision == "fp32":
+        tries.append((f"--precision {low}", model, replace(t, precision=low), nb_part, replicas))
+    if tpn % 2 == 0 and model["nlayers"] >= 2 * nb_part:
+        tries.append((f"--ntasks-per-node={tpn // 2} (nb_part {2 * nb_part}, {replicas // 2} replicas)", model, t,
+                      2 * nb_part, replicas // 2))
+    if not t.zero and replicas > 1:
+        tries.append(("--zero", model, replace(t, zero=True), nb_part, replicas))
+    out, fitting = [], []
+    for label, m, tt, nb, r in tries:
+        total = _estimate(m, tt, nb, r).total / GIB
+        out.append(f"{label}: {total:.1f} GiB" + ("" if total <= gib else " (still too big)"))
+        fitting.append(total <= gib)
+    chunks = model["chunks"]
+    batch = next((b for b in range(model["batch_size"] - chunks, 0, -chunks)
+                  if _estimate(dict(model, batch_size=b), t, nb_part, replicas).total / GIB <= gib), None)
+    if batch:
+        est = _estimate(dict(model, batch_size=batch), t, nb_part, replicas).total / GIB
+        out.append(f"--batch-size {batch} (a multiple of --chunks {chunks}): {est:.1f} GiB")
+    if not any(fitting) and not batch and tries:
+        all_t = replace(t, activation_checkpointing=True, precision=low if t.precision == "fp32" else t.precision,
+                        zero=replicas > 1 or t.zero)
+        est = _estimate(model, all_t, nb_part, replicas).total / GIB
+        out.append(f"all of --activation-checkpointing --precision {all_t.precision}"
+                   f"{' --zero' if all_t.zero else ''} together: {est:.1f} GiB"
+                   + ("" if est <= gib else " (still too big: use more GPUs per replica or a smaller model)"))
+    return out
+
+
+def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: int, findings: Findings) -> None:
+    """Refuse a split whose estimated peak exceeds the GPU's memory (and bf16 on V100s, which lack it)."""
+    gib, source = gpu_memory(job)
+    v100 = is_v100(job)
+    if t.precision == "bf16" and v100:
+        findings.error("bf16-on-v100", "--precision bf16 on V100 GPUs: V100s have no bf16; use --precision fp16 "
+                       "(autocast with a GradScaler)")
+    if gib is None or t.layout != "replica" or nb_part < 1:
+        return
+    model = model_args(t)
+    try:
+        parts = estimate_memory(model, t, nb_part, replicas)
+    except ValueError:
+        return  # chunks/batch already reported by check_training
+    worst = max(parts, key=lambda m: m.total)
+    if worst.total / GIB <= gib:
+        if worst.total / GIB > 0.9 * gib:
+            findings.warn("memory-tight", f"part {worst.part} ({worst.contents}) is estimated at "
+                          f"{worst.total / GIB:.1f} GiB of the {gib:.1f} GiB per GPU ({source}): little headroom")
+        return
+    terms = " + ".join(f"{k} {v:.2f}" for k, v in worst.breakdown().items() if v >= 0.005)
+    fixes = memory_fixes(model, t, nb_part, replicas, tpn, gib, v100)
+    findings.error("does-not-fit",
+                   f"part {worst.part} ({worst.contents}) needs an estimated {worst.total / GIB:.1f} GiB per GPU but "
+                   f"the GPU has {gib:.1f} GiB ({source}); GiB: {terms}; activations are {worst.alive} micro-batch(es) "
+                   f"of {worst.per_micro_batch / GIB:.2f} GiB, all alive: with checkpoint=\"never\" GPipe keeps every "
+                   f"micro-batch until its backward, so more --chunks do not help. Fixes, each estimated: "
+                   + "; ".join(fixes))
+
+
+def bubble(nb_part: int, chunks: int) -> float:
+    """GPipe's idle fraction: (nb_part - 1) / (chunks + nb_part - 1)."""
+    return (nb_part - 1) / (chunks + nb_part - 1)
+
+
+def advise(nodes: int, gpn: int, gib: float, model: dict, global_batch: int, v100: bool,
+           max_chunks: int = 32) -> list[dict]:
+    """Every split of `nodes` x `gpn` GPUs that fits in `gib` per GPU at this global batch, sorted by fewest GPUs
+    per replica, then by bubble."""
+    rows = []
+    low = "fp16" if v100 else "bf16"
+    for tpn in divisors(gpn):
+        nb_part, replicas = gpn // tpn, nodes * tpn
+        if global_batch % replicas or model["nlayers"] < nb_part:
+            continue
+        batch = global_batch // replicas
+        for chunks in ([1] if nb_part == 1 else [c for c in divisors(batch) if c <= max_chunks]):
+            m = dict(model, batch_size=batch, chunks=chunks)
+            for precision in ("fp32", low):
+                for ckpt in (False, True):
+                    for zero in ((False, True) if replicas > 1 else (False,)):
+                        t = Training(precision=precision, activation_checkpointing=ckpt, zero=zero)
+                        peak = _estimate(m, t, nb_part, replicas).total / GIB
+                        if peak <= gib:
+                            rows.append(dict(ntasks_per_node=tpn, nb_part=nb_part, replicas=replicas,
+                                             batch_size=batch, chunks=chunks, precision=precision,
+                                             activation_checkpointing=ckpt, zero=zero, peak_gib=round(peak, 2),
+                                             bubble=round(bubble(nb_part, chunks), 3)))
+    return sorted(rows, key=lambda r: (r["nb_part"], r["bubble"], r["peak_gib"]))
+
+
+def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str, global_batch: int) -> str:
+    lines = [f"check_topology --advise: {nodes} node(s) x {gpn} GPU(s) of {gib:.1f} GiB ({source}), global batch "
+             f"{global_batch}: {len(rows)} split(s) fit, fewest GPUs per replica first, then by GPipe bubble",
+             f"  {'tasks/node':>10} {'nb_part':>7} {'replicas':>8} {'batch':>5} {'chunks':>6} {'precision':9} "
+             f"{'ckpt':4} {'zero':4} {'peak GiB':>8} {'bubble':>6}"]
+    for r in rows:
+        lines.append(f"  {r['ntasks_per_node']:>10} {r['nb_part']:>7} {r['replicas']:>8} {r['batch_size']:>5} "
+                     f"{r['chunks']:>6} {r['precision']:9} {'yes' if r['activation_checkpointing'] else 'no':4} "
+                     f"{'yes' if r['zero'] else 'no':4} {r['peak_gib']:>8.2f} {r['bubble']:>6.1%}")
+    if not rows:
+        lines.append("  nothing fits: use more GPUs, a smaller model (--nlayers, --d-model, --seq-len) or a smaller "
+                     "global batch")
+    return "\n".join(lines)
 
 
 # ---- checks -----------------------------------------------------------------------------------------------------
@@ -768,6 +920,8 @@ def check_job(job: Job, training: Training) -> Report:
         check_training(check_stage(len(plans), tasks_per_node, gpn, training, findings), training, findings)
     elif nb_parts:
         check_training(min(nb_parts), training, findings)
+        if gpn:
+            check_memory(job, training, min(nb_parts), len(plans), max(tasks_per_node), findings)
     if training.layout not in ("replica", "stage"):
         findings.error("bad-layout", f"--layout {training.layout!r} is not replica or stage")
     check_engine(job, training, findings)
@@ -982,12 +1136,18 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
     """The trainer's own arguments on its srun line (only the ones the plan depends on)."""
     names = {"--nlayers": "nlayers", "--chunks": "chunks", "--batch-size": "batch_size", "--nb-part": "nb_part",
              "--engine": "engine", "--layout": "layout", "--pp": "pp", "--schedule": "schedule",
-             "--virtual-stages": "virtual_stages"}
+             "--virtual-stages": "virtual_stages", "--precision": "precision"}
+    model = {"--d-model": "d_model", "--n-head": "n_head", "--d-hid": "d_hid", "--seq-len": "seq_len",
+             "--vocab-size": "vocab_size", "--dropout": "dropout"}
+    names.update(model)
     i = 0
     while i < len(argv):
         tok = argv[i]
         name, eq, value = tok.partition("=")
         i += 1
+        if tok in ("--activation-checkpointing", "--zero"):  # flags: no value
+            setattr(t, tok[2:].replace("-", "_"), True)
+            continue
         if name not in names:
             continue
         if not eq:
@@ -999,8 +1159,17 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
         if "$" in value:
             t.unchecked.append(f"{where}: {name} {value}")
             continue
-        if attr in ("engine", "layout", "schedule"):
+        if attr in ("engine", "layout", "schedule", "precision"):
+            if attr == "precision" and value not in PRECISIONS:
+                findings.error("bad-value", f"{where}: --precision {value!r} is not one of {', '.join(PRECISIONS)}")
+                continue
             setattr(t, attr, value)
+            continue
+        if attr == "dropout":
+            try:
+                t.model["dropout"] = float(value)
+            except ValueError:
+                findings.error("bad-value", f"{where}: --dropout {value!r} is not a number")
             continue
         try:
             number = int(value)
@@ -1010,7 +1179,10 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
         if number < 1:
             findings.error("bad-value", f"{where}: {name} {number} must be at least 1")
             continue
-        setattr(t, attr, number)
+        if name in model:
+            t.model[attr] = number
+        else:
+            setattr(t, attr, number)
 
 
 def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
@@ -1180,13 +1352,15 @@ def send_report(launch: idr_torch.Launch, facts: dict, timeout: float = 120.0) -
     return int(verdict) if verdict.isdigit() else 1
 
 
-def check_in_step(launch: idr_torch.Launch, training: Training) -> tuple[Report | None, int]:
+def check_in_step(launch: idr_torch.Launch, training: Training,
+                  gpu_mem: float | None = None) -> tuple[Report | None, int]:
     """srun python check_topology.py: every task checks what it sees; rank 0 prints one report."""
     facts = task_facts(launch, training)
     if launch.rank != 0:
         return None, send_report(launch, facts)
     result, conns = collect_reports(launch, facts)
     job = job_from_allocation(launch.env)
+    job.gpu_mem = gpu_mem
     job.source = (f"srun step {launch.job_id}.{launch.step_id}: {launch.size} task(s) on {launch.nodelist}, "
                   "as each task sees it")
     job.tasks_per_node = launch.tasks_per_node
@@ -1213,6 +1387,9 @@ def check_in_step(launch: idr_torch.Launch, training: Training) -> tuple[Report 
                        training, findings, cpu=cpu)
     elif nb:
         check_training(min(nb), training, findings, cpu=cpu)
+        if not cpu:
+            job.gpu_mem_seen = gpus_memory_here()
+            check_memory(job, training, min(nb), len(plans), max(launch.tasks_per_node), findings)
     note_page_indexing(report)
     code = 0 if report.ok else 1
     for c in conns:
@@ -1251,8 +1428,42 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--pp", type=int, help="stage layout: tasks per pipeline")
     train.add_argument("--schedule", choices=SCHEDULES)
     train.add_argument("--virtual-stages", type=int)
+    mem = p.add_argument_group("will it fit? (the trainer's model arguments, its memory options, the GPU's memory)")
+    for flag in ("--d-model", "--n-head", "--d-hid", "--seq-len", "--vocab-size"):
+        mem.add_argument(flag, type=int, help=f"default {GPU_DEFAULTS[flag[2:].replace('-', '_')]} (the trainer's GPU default)")
+    mem.add_argument("--dropout", type=float)
+    mem.add_argument("--precision", choices=PRECISIONS)
+    mem.add_argument("--activation-checkpointing", action="store_true", default=None)
+    mem.add_argument("--zero", action="store_true", default=None)
+    mem.add_argument("--gpu-mem", type=float, metavar="GiB",
+                     help="memory of one GPU (default: from -C/-p, or the allocation's GPUs)")
+    mem.add_argument("--advise", action="store_true",
+                     help="list every split of --nodes x --gpus-per-node that fits, for --global-batch")
+    mem.add_argument("--global-batch", type=int, help="--advise: samples per step over all replicas")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
+
+
+def advise_main(args: argparse.Namespace, t: Training) -> int:
+    """--advise: every split that fits, from planning flags alone."""
+    job = Job(nodes=args.nodes, gpus_per_node=args.gpus_per_node, constraint=args.constraint,
+              partition=args.partition, gpu_mem=args.gpu_mem)
+    ntype = node_type(job)
+    gpn = job.gpus_per_node or (NODE_TYPES[ntype]["gpus"] if ntype else None)
+    gib, source = gpu_memory(job)
+    missing = [m for m, v in (("--nodes N", job.nodes), ("--gpus-per-node N (or -C/-p of a known node)", gpn),
+                              ("-C v100-16g|v100-32g|a100|h100 or --gpu-mem GiB", gib),
+                              ("--global-batch N", args.global_batch)) if not v]
+    if missing:
+        raise UsageError(f"--advise needs {', '.join(missing)}; e.g. --advise --nodes 3 --gpus-per-node 4 "
+                         "-C v100-32g --global-batch 384")
+    if args.global_batch < 1 or job.nodes < 1 or gpn < 1:
+        raise UsageError(f"--nodes ({job.nodes}), --gpus-per-node ({gpn}) and --global-batch ({args.global_batch}) "
+                         "must be at least 1")
+    rows = advise(job.nodes, gpn, gib, model_args(t), args.global_batch, is_v100(job))
+    print(json.dumps(rows, indent=1) if args.json else
+          advise_text(rows, job.nodes, gpn, gib, source, args.global_batch))
+    return 0 if rows else 1
 
 
 PLANNING = ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_task", "gpu_bind", "cpus_per_task",
@@ -1274,16 +1485,30 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
             if getattr(args, name) is not None:
                 setattr(t, name, getattr(args, name))
+        for name in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout"):
+            value = getattr(args, name)
+            if value is not None and (value < 0 if name == "dropout" else value < 1):
+                raise UsageError(f"--{name.replace('_', '-')} {value} must be at least {0 if name == 'dropout' else 1}")
+            if value is not None:
+                t.model[name] = value
+        for name in ("precision", "activation_checkpointing", "zero"):
+            if getattr(args, name) is not None:
+                setattr(t, name, getattr(args, name))
         if t.nlayers is None:
             t.nlayers = GPU_DEFAULTS["nlayers"]
         return t
 
     try:
+        if args.gpu_mem is not None and args.gpu_mem <= 0:
+            raise UsageError(f"--gpu-mem {args.gpu_mem:g} must be a positive number of GiB, e.g. --gpu-mem 32")
+        if args.advise:
+            return advise_main(args, override(training))
         planning = any(getattr(args, k) is not None for k in PLANNING)
         if args.sbatch_file:
             if planning:
                 raise UsageError("give either an sbatch file or planning flags (--nodes ...), not both")
             job, training, findings = read_sbatch(args.sbatch_file)
+            job.gpu_mem = args.gpu_mem
             report = check_job(job, override(training))
             report.findings[:0] = findings
         elif planning:
@@ -1294,7 +1519,7 @@ def main(argv: list[str] | None = None) -> int:
             bad = [k for k in PLANNING if isinstance(getattr(args, k), int) and getattr(args, k) < 1]
             if bad:
                 raise UsageError(f"--{bad[0].replace('_', '-')} {getattr(args, bad[0])} must be at least 1")
-            job = Job(**{k: getattr(args, k) for k in PLANNING})
+            job = Job(**{k: getattr(args, k) for k in PLANNING}, gpu_mem=args.gpu_mem)
             job.source = (f"plan: {args.nodes} node(s) x {args.gpus_per_node or '?'} GPU(s), "
                           f"--ntasks-per-node={args.ntasks_per_node}")
             report = check_job(job, override(training))
@@ -1304,11 +1529,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             launch = idr_torch.Launch()
             if launch.launcher == "slurm":
-                report, code = check_in_step(launch, override(training))
+                report, code = check_in_step(launch, override(training), args.gpu_mem)
                 if report is None:
                     return code
             elif launch.job_id:
-                report = check_job(job_from_allocation(launch.env), override(training))
+                job = job_from_allocation(launch.env)
+                job.gpu_mem, job.gpu_mem_seen = args.gpu_mem, gpus_memory_here()
+                report = check_job(job, override(training))
             else:
                 raise UsageError("nothing to check: give an sbatch file, planning flags (--nodes 3 --gpus-per-node 4 "
                                  "--ntasks-per-node 2), or run me inside a Slurm allocation")

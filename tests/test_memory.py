@@ -78,3 +78,106 @@ def test_estimate_refuses_bad_input():
         ct.estimate_memory(model, ct.Training(precision="fp8"), 2, 1)
     with pytest.raises(ValueError, match="chunks=128"):
         ct.estimate_memory(dict(model, chunks=128), ct.Training(), 2, 1)
+
+
+# ---- using it before the queue: the checker ---------------------------------------------------------------
+PAGE = ROOT / "slurm" / "page_3nodes_4gpus.slurm"
+
+
+def plan(*extra: str) -> tuple[int, str]:
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = ct.main(list(extra))
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize("constraint,gib", [("v100-16g", 16160 / 1024), ("v100-32g", 32510 / 1024),
+                                            ("a100", 80.0), ("h100", 81559 / 1024)])
+def test_gpu_memory_from_constraint(constraint, gib):
+    assert ct.gpu_memory(ct.Job(constraint=constraint)) == (gib, f"-C {constraint}")
+    assert ct.gpu_memory(ct.Job(constraint=constraint, gpu_mem=12.5))[0] == 12.5  # --gpu-mem wins
+    assert ct.gpu_memory(ct.Job(partition="gpu_p4"))[0] == 40.0  # the 40 GB A100s
+    assert ct.gpu_memory(ct.Job(partition="gpu_p13"))[1].endswith("assuming 16 GB")
+    assert ct.gpu_memory(ct.Job()) == (None, "unknown")  # then the fit is not checked
+
+
+def test_page_template_fits_on_v100():
+    for c in ("v100-32g", "v100-16g"):
+        job, training, _ = ct.read_sbatch(PAGE)
+        job.constraint = c
+        report = ct.check_job(job, training)
+        assert not [f for f in report.findings if f.code in ("does-not-fit", "memory-tight")], report.text()
+
+
+def test_split_that_cannot_fit_is_refused_with_right_fixes():
+    code, out = plan("--nodes", "3", "--gpus-per-node", "4", "--ntasks-per-node", "4", "-C", "v100-16g",
+                     "--nlayers", "16", "--batch-size", "64", "--chunks", "4")
+    assert code == 1
+    line = next(x for x in out.splitlines() if "does-not-fit" in x)
+    model = dict(ct.GPU_DEFAULTS, nlayers=16, batch_size=64, chunks=4)
+    worst = max(ct.estimate_memory(model, ct.Training(), 1, 12), key=lambda m: m.total)
+    assert f"part 0 (Encoder + Layer 0-15 + Decoder) needs an estimated {worst.total / ct.GIB:.1f} GiB" in line
+    assert f"activations {worst.activations / ct.GIB:.2f}" in line and "more --chunks do not help" in line
+    expected = {
+        "--activation-checkpointing": (model, ct.Training(activation_checkpointing=True), 1, 12),
+        "--precision fp16": (model, ct.Training(precision="fp16"), 1, 12),  # V100: fp16, not bf16
+        "--ntasks-per-node=2 (nb_part 2, 6 replicas)": (model, ct.Training(), 2, 6),
+        "--zero": (model, ct.Training(zero=True), 1, 12),
+        "--batch-size 32 (a multiple of --chunks 4)": (dict(model, batch_size=32), ct.Training(), 1, 12),
+    }
+    gib = 16160 / 1024
+    for label, args in expected.items():
+        total = max(m.total for m in ct.estimate_memory(*args)) / ct.GIB
+        shown = f"{label}: {total:.1f} GiB" + ("" if total <= gib else " (still too big)")
+        assert shown in line, (shown, line)
+    # the batch fix is the largest multiple of chunks that fits
+    assert max(m.total for m in ct.estimate_memory(dict(model, batch_size=36), ct.Training(), 1, 12)) / ct.GIB > gib
+
+
+def test_trainer_line_model_and_memory_options(tmp_path):
+    text = PAGE.read_text().replace(
+        "--nlayers 16 --chunks 4 --batch-size 64 --epochs 2",
+        "--nlayers 16 --chunks 4 --batch-size 64 --d-model 2048 --seq-len 512 --dropout 0 --precision fp16 "
+        "--activation-checkpointing --zero --epochs 2")
+    f = tmp_path / "job.slurm"
+    f.write_text(text)
+    job, training, findings = ct.read_sbatch(f)
+    assert training.model == dict(d_model=2048, seq_len=512, dropout=0.0)
+    assert (training.precision, training.activation_checkpointing, training.zero) == ("fp16", True, True)
+    report = ct.check_job(job, training)
+    assert not [x for x in report.findings if x.code == "does-not-fit"], report.text()
+    code, out = plan(str(f), "--gpu-mem", "2")
+    assert code == 1 and "does-not-fit" in out and "(--gpu-mem 2)" in out
+    f.write_text(text.replace("--precision fp16", "--precision bf16"))
+    code, out = plan(str(f))
+    assert code == 1 and "bf16-on-v100" in out
+    f.write_text(text.replace("--precision fp16", "--precision fp8"))
+    code, out = plan(str(f))
+    assert code == 1 and "--precision 'fp8' is not one of fp32, bf16, fp16" in out
+
+
+def test_advise_lists_splits_that_fit():
+    code, out = plan("--advise", "--nodes", "3", "--gpus-per-node", "4", "-C", "v100-32g", "--global-batch", "384",
+                     "--json")
+    assert code == 0
+    import json
+    rows = json.loads(out)
+    gib = 32510 / 1024
+    assert rows and all(r["peak_gib"] <= gib for r in rows)
+    assert [(r["nb_part"], r["bubble"]) for r in rows] == sorted((r["nb_part"], r["bubble"]) for r in rows)
+    page = [r for r in rows if (r["ntasks_per_node"], r["chunks"], r["precision"], r["activation_checkpointing"],
+                                r["zero"]) == (2, 4, "fp32", False, False)]
+    assert page and page[0]["nb_part"] == 2 and page[0]["batch_size"] == 64 and page[0]["bubble"] == 0.2
+    for r in rows[:: max(1, len(rows) // 10)]:
+        t = ct.Training(precision=r["precision"], activation_checkpointing=r["activation_checkpointing"],
+                        zero=r["zero"])
+        m = dict(ct.GPU_DEFAULTS, batch_size=r["batch_size"], chunks=r["chunks"])
+        assert round(max(x.total for x in ct.estimate_memory(m, t, r["nb_part"], r["replicas"])) / ct.GIB, 2) \
+            == r["peak_gib"]
+    assert {r["precision"] for r in rows} == {"fp32", "fp16"}  # V100: fp16, never bf16
+    code, out = plan("--advise", "--nodes", "1", "--gpus-per-node", "4", "--gpu-mem", "1", "--global-batch", "64")
+    assert code == 1 and "nothing fits" in out
+    code, out = plan("--advise", "--nodes", "1", "--gpus-per-node", "4")
+    assert code == 2 and "--advise needs" in out and "--global-batch N" in out
