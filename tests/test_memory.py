@@ -181,3 +181,19 @@ def test_advise_lists_splits_that_fit():
     assert code == 1 and "nothing fits" in out
     code, out = plan("--advise", "--nodes", "1", "--gpus-per-node", "4")
     assert code == 2 and "--advise needs" in out and "--global-batch N" in out
+
+
+def test_gpu_memory_inside_an_allocation(tmp_path, monkeypatch):
+    """Inside an allocation the GPUs' own memory wins over the constraint: nvidia-smi's
+    --query-gpu=memory.total --format=csv,noheader,nounits prints MiB, one GPU per line (a stand-in prints it
+    here: this machine has no GPU); the smallest GPU counts."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '32510\\n16160\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    seen = ct.gpus_memory_here()
+    assert seen == 16160 / 1024
+    job = ct.Job(constraint="v100-32g", gpu_mem_seen=seen)
+    assert ct.gpu_memory(job) == (seen, "the allocation's GPUs (nvidia-smi)")
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    assert ct.gpus_memory_here() is None  # a failing nvidia-smi: back to the constraint
