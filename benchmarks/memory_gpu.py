@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import bench_ddp_transformer as bench  # noqa: E402
 import check_topology  # noqa: E402
-from memory_grid import Checkpointed  # noqa: E402
+from memory_grid import checkpoint_layers  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,10 +57,7 @@ def measure(model: dict, precision: str, ckpt: bool, nb_part: int) -> list[int]:
         plan.devices = [0] * nb_part
     parts = bench.build_module_list(cfg, plan)
     if ckpt:
-        for part in parts:
-            for i, m in enumerate(part):
-                if isinstance(m, nn.TransformerEncoderLayer):
-                    part[i] = Checkpointed(m)
+        checkpoint_layers(parts)
     devices = [plan.device(i) for i in range(nb_part)]
     pipe = bench.PipeModel([Part(p, precision) for p in parts], "fairscale", model["chunks"], devices)
     try:

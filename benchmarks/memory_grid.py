@@ -125,6 +125,14 @@ class Checkpointed(nn.Module):
         return checkpoint(self.layer, x, use_reentrant=False)
 
 
+def checkpoint_layers(parts: list[nn.Sequential]) -> None:
+    """Wrap every Layer of every part in non-reentrant checkpointing, in place."""
+    for part in parts:
+        for i, m in enumerate(part):
+            if isinstance(m, nn.TransformerEncoderLayer):
+                part[i] = Checkpointed(m)
+
+
 def init_process_group() -> None:
     if not dist.is_initialized():  # DDP needs a group: one process, gloo, an in-memory store
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -152,10 +160,7 @@ def count_step(row: dict, precision: str, ckpt: bool, nlayers: int = 4, vocab: i
     plan = check_topology.plan_task(0, 0, 0, 1, [], None, nlayers, row["nb_part"])
     parts = bench.build_module_list(cfg, plan)
     if ckpt:
-        for part in parts:
-            for i, m in enumerate(part):
-                if isinstance(m, nn.TransformerEncoderLayer):
-                    part[i] = Checkpointed(m)
+        checkpoint_layers(parts)
     skip = {p.untyped_storage().data_ptr() for part in parts for p in part.parameters()}
     counters = [Counter(skip) for _ in parts]
     model = bench.PipeModel([Counted(p, c, precision) for p, c in zip(parts, counters)], "fairscale",
