@@ -586,26 +586,29 @@ def memory_fixes(model: dict, t: "Training", nb_part: int, replicas: int, tpn: i
     return out
 
 
-def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: int, findings: Findings) -> None:
-    """Refuse a split whose estimated peak exceeds the GPU's memory (and bf16 on V100s, which lack it)."""
+def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: int,
+                 findings: Findings) -> str | None:
+    """Refuse a split whose estimated peak exceeds the GPU's memory (and bf16 on V100s, which lack it).
+    Returns the estimate's line for the report when it was made."""
     gib, source = gpu_memory(job)
     v100 = is_v100(job)
     if t.precision == "bf16" and v100:
         findings.error("bf16-on-v100", "--precision bf16 on V100 GPUs: V100s have no bf16; use --precision fp16 "
                        "(autocast with a GradScaler)")
-    if gib is None or t.layout != "replica" or nb_part < 1:
-        return
+    if gib is None or t.layout != "replica" or nb_part < 1 or t.unchecked:
+        return None  # unknown GPU, the stage layout (not modelled), or shell variables on the line
     model = model_args(t)
     try:
         parts = estimate_memory(model, t, nb_part, replicas)
     except ValueError:
-        return  # chunks/batch already reported by check_training
+        return None  # chunks/batch already reported by check_training
     worst = max(parts, key=lambda m: m.total)
+    line = format_memory(parts, gib) + f" ({source})"
     if worst.total / GIB <= gib:
         if worst.total / GIB > 0.9 * gib:
             findings.warn("memory-tight", f"part {worst.part} ({worst.contents}) is estimated at "
                           f"{worst.total / GIB:.1f} GiB of the {gib:.1f} GiB per GPU ({source}): little headroom")
-        return
+        return line
     terms = " + ".join(f"{k} {v:.2f}" for k, v in worst.breakdown().items() if v >= 0.005)
     fixes = memory_fixes(model, t, nb_part, replicas, tpn, gib, v100)
     findings.error("does-not-fit",
@@ -614,6 +617,7 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
                    f"of {worst.per_micro_batch / GIB:.2f} GiB, all alive: with checkpoint=\"never\" GPipe keeps every "
                    f"micro-batch until its backward, so more --chunks do not help. Fixes, each estimated: "
                    + "; ".join(fixes))
+    return line
 
 
 def bubble(nb_part: int, chunks: int) -> float:
@@ -920,8 +924,8 @@ def check_job(job: Job, training: Training) -> Report:
         check_training(check_stage(len(plans), tasks_per_node, gpn, training, findings), training, findings)
     elif nb_parts:
         check_training(min(nb_parts), training, findings)
-        if gpn:
-            check_memory(job, training, min(nb_parts), len(plans), max(tasks_per_node), findings)
+        line = check_memory(job, training, min(nb_parts), len(plans), max(tasks_per_node), findings) if gpn else None
+        report.notes += [line] if line else []
     if training.layout not in ("replica", "stage"):
         findings.error("bad-layout", f"--layout {training.layout!r} is not replica or stage")
     check_engine(job, training, findings)
@@ -1389,7 +1393,8 @@ def check_in_step(launch: idr_torch.Launch, training: Training,
         check_training(min(nb), training, findings, cpu=cpu)
         if not cpu:
             job.gpu_mem_seen = gpus_memory_here()
-            check_memory(job, training, min(nb), len(plans), max(launch.tasks_per_node), findings)
+            line = check_memory(job, training, min(nb), len(plans), max(launch.tasks_per_node), findings)
+            report.notes += [line] if line else []
     note_page_indexing(report)
     code = 0 if report.ok else 1
     for c in conns:

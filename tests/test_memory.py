@@ -109,6 +109,17 @@ def test_page_template_fits_on_v100():
         job.constraint = c
         report = ct.check_job(job, training)
         assert not [f for f in report.findings if f.code in ("does-not-fit", "memory-tight")], report.text()
+        assert any(n.startswith("memory estimate: 13.35 GiB") and f"(-C {c})" in n for n in report.notes)
+
+
+
+def test_shell_variables_on_the_line_are_not_judged(tmp_path):
+    f = tmp_path / "sweep.slurm"
+    f.write_text(PAGE.read_text().replace("--batch-size 64 --epochs", '--batch-size "$batch" --epochs'))
+    job, training, _ = ct.read_sbatch(f)
+    report = ct.check_job(job, training)
+    assert training.unchecked and not [n for n in report.notes if "memory" in n], report.text()
+    assert not [x for x in report.findings if x.code == "does-not-fit"]
 
 
 def test_split_that_cannot_fit_is_refused_with_right_fixes():
