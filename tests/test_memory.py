@@ -5,6 +5,7 @@ deduplicated), the parameters, gradients and AdamW state of each part in a real 
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +16,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import check_topology as ct  # noqa: E402
 import memory_grid  # noqa: E402
+from launch import run_tasks, srun_envs  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_group():
+    """The grid's in-process gloo group (world size 1) is not left behind for other test modules."""
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("precision,ckpt", memory_grid.VARIANTS)
@@ -54,6 +65,21 @@ def test_zero_partition_is_torchs():
             owned[rank][part_of[id(t)]] += t.numel()
     assert ct._zero_shares(params, 3, 3) == [max(owned[r][p] for r in range(3)) for p in range(3)]
     assert ct._zero_shares([(10, 0), (7, 1), (5, 0), (5, 1), (1, 1)], 2, 2) == [10, 8]
+
+
+@pytest.mark.multiproc
+def test_zero_optimizer_state_counted_over_three_replicas(tmp_path):
+    """3 real processes, ZeroRedundancyOptimizer(AdamW): the state each rank holds on each part, against the
+    estimate's worst-rank share."""
+    args = ["--nb-part", "2", "--batch-size", "8", "--chunks", "2", "--seq-len", "16"]
+    results = run_tasks([str(ROOT / "tests" / "zero_memory_worker.py"), str(tmp_path), *args], srun_envs(3))
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    held = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    model = dict(ct.CPU_DEFAULTS, batch_size=8, chunks=2, seq_len=16)
+    est = ct.estimate_memory(model, ct.Training(zero=True), 2, 3)
+    assert [max(h[p] for h in held) for p in range(2)] == [m.optimizer for m in est]
+    plain = ct.estimate_memory(model, ct.Training(), 2, 3)
+    assert sum(sum(h) for h in held) == sum(m.optimizer for m in plain)  # every state once, on one rank
 
 
 def test_estimate_terms():
