@@ -369,8 +369,10 @@ GIB = 2 ** 30
 # A100-SXM4-40GB 40960 MiB, A100-SXM4-80GB 81920 MiB, H100 80GB HBM3 81559 MiB). Which board a request gets, from
 # IDRIS's "Jean Zay: GPU Slurm partitions" page (idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
 # -C v100-16g (ex gpu_p3) and -C v100-32g (ex gpu_p1) on gpu_p13's 4-GPU nodes, which mix both (so gpu_p13
-# without -C may get 16 GB: assume the smaller); gpu_p2 8 x V100 32 GB; -C a100 is gpu_p5's 8 x A100 80 GB (the
-# 40 GB A100s are the gpu_p4 partition's); -C h100 is gpu_p6's 4 x H100 80 GB.
+# without -C may get 16 GB: assume the smaller); gpu_p2 8 x V100 32 GB. The A100s, from the directive block of
+# IDRIS's job-script template as users' Jean Zay scripts copy it ("--partition=gpu_p4 ... (40GB A100 GPU)",
+# "-C a100 ... gpu_p5 partition (80GB A100 GPU)"): -C a100 means 80 GB, the 40 GB ones are -p gpu_p4.
+# -C h100 is gpu_p6's 4 x H100 80 GB (DESIGN.md's Jean Zay facts).
 GPU_MEMORY_GIB = {"v100-16g": 16160 / 1024, "v100-32g": 32510 / 1024, "gpu_p2": 32510 / 1024,
                   "gpu_p4": 40960 / 1024, "a100": 81920 / 1024, "h100": 81559 / 1024}
 V100_PARTITIONS = ("gpu_p13", "gpu_p1", "gpu_p3", "gpu_p2", "gpu_p2s", "gpu_p2l")
