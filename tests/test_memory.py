@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -234,3 +237,22 @@ def test_gpu_memory_inside_an_allocation(tmp_path, monkeypatch):
     assert ct.gpu_memory(job) == (seen, "the allocation's GPUs (nvidia-smi)")
     smi.write_text("#!/bin/sh\nexit 9\n")
     assert ct.gpus_memory_here() is None  # a failing nvidia-smi: back to the constraint
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 24), st.integers(1, 8), st.integers(1, 64), st.integers(1, 8), st.integers(1, 512),
+       st.integers(1, 8), st.sampled_from(ct.PRECISIONS), st.booleans(), st.booleans())
+def test_estimate_properties(nlayers, heads, per_head, nb_part, seq, chunks, precision, ckpt, zero):
+    """Over generated models: every term >= 0, the parts hold every parameter once, a larger batch never needs
+    less, ZeRO never needs more and with one replica changes nothing."""
+    model = dict(nlayers=nlayers, d_model=heads * per_head, n_head=heads, d_hid=4 * per_head, seq_len=seq,
+                 vocab_size=1000, batch_size=chunks * 2, chunks=chunks, dropout=0.1)
+    t = ct.Training(precision=precision, activation_checkpointing=ckpt, zero=zero)
+    parts = ct.estimate_memory(model, t, nb_part, 3)
+    assert len(parts) == nb_part and all(v >= 0 for m in parts for v in vars(m).values() if isinstance(v, int))
+    assert sum(m.params for m in parts) == 4 * sum(n for n, _ in ct._replica_params(model, nb_part))
+    bigger = ct.estimate_memory(dict(model, batch_size=chunks * 4), t, nb_part, 3)
+    assert all(b.total >= p.total for b, p in zip(bigger, parts))
+    plain = ct.estimate_memory(model, ct.Training(precision=precision, activation_checkpointing=ckpt), nb_part, 3)
+    assert all(z.optimizer <= p.optimizer for z, p in zip(parts, plain))
+    assert ct.estimate_memory(model, t, nb_part, 1) == ct.estimate_memory(model, replace(t, zero=False), nb_part, 1)
