@@ -516,6 +516,13 @@ def format_memory(parts: list[PartMemory], gpu_gib: float | None = None) -> str:
             f"activations {worst.per_micro_batch / GIB:.3f} GiB per micro-batch x {worst.alive} alive")
 
 
+def memory_line(model: dict, t: "Training", nb_part: int, replicas: int, gpu_gib: float | None = None) -> str:
+    """The trainer's start-up line: the estimate of the replica layout, or why there is none."""
+    if t.layout != "replica":
+        return "memory estimate: not modelled for --layout stage (its schedules keep other micro-batches alive)"
+    return format_memory(estimate_memory(model, t, nb_part, replicas), gpu_gib)
+
+
 def gpu_memory(job: "Job") -> tuple[float | None, str]:
     """GiB of one of the job's GPUs and where that came from: --gpu-mem, else the GPUs of this allocation
     (nvidia-smi), else the constraint or partition."""
