@@ -5,7 +5,8 @@
     python slurm/report.py results.jsonl --out report --title "4 x V100"
 
 Reads the JSON lines bench_ddp_transformer.py --json-out appends (one per run). Runs of the same
-configuration are merged (median samples/s). matplotlib is optional: without it the tables are still written
+configuration (split, batch, chunks, --precision, --activation-checkpointing, --zero) are merged (median
+samples/s); memory stands beside throughput: measured peak and the start-up estimate. matplotlib is optional: without it the tables are still written
 and the report says why there is no plot.
 """
 from __future__ import annotations
@@ -18,7 +19,17 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-KEY = ("device", "gpus", "tasks", "nb_part", "batch_per_gpu", "batch_size", "chunks", "layout")
+KEY = ("device", "gpus", "tasks", "nb_part", "batch_per_gpu", "batch_size", "chunks", "layout", "precision",
+       "activation_checkpointing", "zero")
+# the trainer's options as they read in a table; records written before the options existed ran without them
+OPTION_DEFAULTS = {"precision": "fp32", "activation_checkpointing": False, "zero": False}
+
+
+def options(r: dict) -> str:
+    """The options a run used beyond the page's fp32 GPipe, in the trainer's own words ('' for none)."""
+    used = [r["precision"]] if r["precision"] != "fp32" else []
+    used += ["ckpt"] * bool(r["activation_checkpointing"]) + ["zero"] * bool(r["zero"])
+    return " ".join(used)
 
 
 def kind(tasks: int, nb_part: int, layout: str = "replica") -> str:
@@ -51,6 +62,8 @@ def load(paths: list[Path]) -> tuple[list[dict], list[str]]:
                 problems.append(f"{path}:{n}: skipped ({type(exc).__name__}: {exc})")
                 continue
             r["layout"] = r.get("layout", "replica")
+            for k, default in OPTION_DEFAULTS.items():
+                r[k] = r.get(k, default)
             # replica layout: a task per replica over nb_part GPUs; stage layout: a task per GPU
             r["gpus"] = int(r.get("gpus") or r["tasks"] * r["nb_part"])
             r["batch_per_gpu"] = r["batch_size"] // r["nb_part"]
@@ -70,9 +83,11 @@ def merge(records: list[dict]) -> list[dict]:
         row = dict(zip(KEY, key))
         row.update(runs=len(runs), kind=kind(row["tasks"], row["nb_part"], row["layout"]), samples_per_s=med("samples_per_s"),
                    epoch_time_s=med("epoch_time_s"), peak_gpu_mem_gb=med("peak_gpu_mem_gb"),
+                   host_rss_gb=med("host_rss_gb"), estimated_mem_gb=med("estimated_mem_gb"),
                    test_acc=med("test_acc"), engine=runs[-1].get("engine"), torch=runs[-1].get("torch"))
         rows.append(row)
-    rows.sort(key=lambda r: (r["device"], r["gpus"], r["layout"], r["tasks"], r["batch_per_gpu"], r["chunks"]))
+    rows.sort(key=lambda r: (r["device"], r["gpus"], r["layout"], r["tasks"], r["batch_per_gpu"], r["chunks"],
+                             r["precision"], r["activation_checkpointing"], r["zero"]))
     return rows
 
 
@@ -84,19 +99,25 @@ def markdown(rows: list[dict], title: str) -> str:
     out = [f"# {title}", ""]
     for (device, gpus), group in _groups(rows):
         best = max(group, key=lambda r: r["samples_per_s"] or 0)
-        unit = "GPUs" if device == "cuda" else "parts (CPU processes, gloo: not a GPU result)"
+        cuda = device == "cuda"
+        unit = "GPUs" if cuda else "parts (CPU processes, gloo: not a GPU result)"
+        # memory beside throughput: measured (the GPU's peak; on the CPU the process's RSS) and estimated
+        measured, mem = ("peak_gpu_mem_gb", "peak GPU mem") if cuda else ("host_rss_gb", "host RSS")
         out += [f"## {gpus} {unit}", "",
                 f"Fastest: {best['tasks']} task(s) x nb_part {best['nb_part']} ({best['kind']}), batch "
-                f"{best['batch_per_gpu']}/GPU, chunks {best['chunks']}: {fmt(best['samples_per_s'], '.1f')} "
+                f"{best['batch_per_gpu']}/GPU, chunks {best['chunks']}"
+                + (f", {options(best)}" if options(best) else "") + f": {fmt(best['samples_per_s'], '.1f')} "
                 "samples/s", "",
-                "| ntasks | nb_part | layout | batch/GPU | batch/replica | chunks | samples/s | s/epoch "
-                "| peak GPU mem (GiB) | test acc | runs |",
-                "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "| ntasks | nb_part | layout | batch/GPU | batch/replica | chunks | precision | act. ckpt | zero "
+                f"| samples/s | {mem} (GiB) | estimate (GiB/GPU) | s/epoch | test acc | runs |",
+                "| ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in group:
             out.append(f"| {r['tasks']} | {r['nb_part']} | {r['kind']} "
-                       f"| {r['batch_per_gpu']} | {r['batch_size']} | {r['chunks']} | "
-                       f"{fmt(r['samples_per_s'], '.1f')} | {fmt(r['epoch_time_s'], '.1f')} | "
-                       f"{fmt(r['peak_gpu_mem_gb'], '.2f')} | {fmt(r['test_acc'], '.3f')} | {r['runs']} |")
+                       f"| {r['batch_per_gpu']} | {r['batch_size']} | {r['chunks']} | {r['precision']} | "
+                       f"{'yes' if r['activation_checkpointing'] else 'no'} | {'yes' if r['zero'] else 'no'} | "
+                       f"{fmt(r['samples_per_s'], '.1f')} | {fmt(r[measured], '.2f')} | "
+                       f"{fmt(r['estimated_mem_gb'], '.2f')} | {fmt(r['epoch_time_s'], '.1f')} | "
+                       f"{fmt(r['test_acc'], '.3f')} | {r['runs']} |")
         out.append("")
     return "\n".join(out)
 
@@ -108,7 +129,8 @@ def _groups(rows: list[dict]):
 
 def write_csv(rows: list[dict], path: Path) -> None:
     fields = ["device", "gpus", "tasks", "nb_part", "kind", "layout", "batch_per_gpu", "batch_size", "chunks",
-              "samples_per_s", "epoch_time_s", "peak_gpu_mem_gb", "test_acc", "runs", "engine", "torch"]
+              "precision", "activation_checkpointing", "zero", "samples_per_s", "peak_gpu_mem_gb", "host_rss_gb",
+              "estimated_mem_gb", "epoch_time_s", "test_acc", "runs", "engine", "torch"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -116,7 +138,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> str | None:
-    """Throughput against chunks, a line per batch size per GPU, a panel per ntasks (and GPU count).
+    """Throughput against chunks, a line per batch size per GPU and options, a panel per ntasks (and GPU count).
     Returns why there is no plot, or None."""
     try:
         import matplotlib
@@ -138,12 +160,12 @@ def plot(rows: list[dict], path: Path, title: str) -> str | None:
                 continue
             layout, tasks, nb_part = panels[pi]
             sub = [r for r in group if (r["layout"], r["tasks"], r["nb_part"]) == (layout, tasks, nb_part)]
-            for bpg in sorted({r["batch_per_gpu"] for r in sub}):
+            for bpg, opts in sorted({(r["batch_per_gpu"], options(r)) for r in sub}):
                 pts = sorted((r["chunks"], r["samples_per_s"]) for r in sub
-                             if r["batch_per_gpu"] == bpg and r["samples_per_s"])
+                             if (r["batch_per_gpu"], options(r)) == (bpg, opts) and r["samples_per_s"])
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                            label=f"{bpg}/{'GPU' if device == 'cuda' else 'part'}")
+                            label=f"{bpg}/{'GPU' if device == 'cuda' else 'part'} {opts}".strip())
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted({r["chunks"] for r in sub}))
             ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())

@@ -166,19 +166,42 @@ def test_templates_pass_both_checks(slurm_cluster, workdir, template):
     assert "to start at" in slurm.stderr
 
 
-def test_sweep_submit_skips_impossible_counts(slurm_cluster, workdir):
+def test_sweep_submit_is_one_job_for_every_count(slurm_cluster, workdir):
     (workdir / "slurm").mkdir()
-    for t in ("sweep_4gpus.slurm", "sweep_8gpus.slurm", "submit_sweep.sh"):
+    for t in ("sweep_4gpus.slurm", "sweep_8gpus.slurm", "sweep_steps.sh", "submit_sweep.sh"):
         shutil.copy(ROOT / "slurm" / t, workdir / "slurm" / t)
     r = run(["bash", "slurm/submit_sweep.sh", "8", "--hold"], slurm_cluster, workdir)
     assert r.returncode == 0, r.stderr
-    submitted = re.findall(r"^ntasks=(\d+): job (\d+)$", r.stdout, re.M)
-    assert [n for n, _ in submitted] == ["2", "4", "8"]
     assert sorted(re.findall(r"^skip ntasks=(\d+): ERROR +gpus-not-divisible", r.stdout, re.M)) == ["3", "5", "6",
                                                                                                    "7"]
-    shown = run(["scontrol", "show", "job", submitted[-1][1]], slurm_cluster, workdir)
-    assert "NumTasks=8" in shown.stdout and "CPUs/Task=3" in shown.stdout
-    subprocess.run(["scancel", *[j for _, j in submitted]], env=slurm_env(slurm_cluster), check=True)
+    [(job, counts)] = re.findall(r"^job (\d+): ntasks ([\d ]+) on one node, one srun step per count$", r.stdout, re.M)
+    assert counts == "2 4 8"
+    shown = run(["scontrol", "show", "job", job], slurm_cluster, workdir)
+    assert "NumTasks=8" in shown.stdout and "CPUs/Task=3" in shown.stdout  # the whole node, once
+    subprocess.run(["scancel", job], env=slurm_env(slurm_cluster), check=True)
+
+
+def test_sweep_runs_every_count_as_a_step_of_one_job(slurm_cluster, workdir):
+    """sweep_4gpus.slurm for real, small: counts 1, 2, 4 as srun steps of one allocation, each with its own
+    tasks per node and cores per task; 3 skipped with the checker's reason."""
+    (workdir / "slurm").mkdir()
+    shutil.copy(ROOT / "slurm" / "sweep_steps.sh", workdir / "slurm")
+    shutil.copy(ROOT / "slurm" / "sweep_4gpus.slurm", workdir / "slurm")
+    r = run(["sbatch", "--wait", "--parsable", "slurm/sweep_4gpus.slurm"], slurm_cluster, workdir, timeout=600,
+            BATCH_PER_GPU="4", CHUNKS="1", MODEL="--nlayers 4 --d-model 32 --d-hid 64 --seq-len 32",
+            EXTRA=f"--synthetic 200 --cache-dir {workdir}")
+    job = r.stdout.strip().split(";")[0]
+    out, err = read_job_files(workdir, "sweep_4gpus", job) if job else ("", r.stderr)
+    assert r.returncode == 0, f"sbatch: {r.stderr}\n--- out\n{out[-3000:]}\n--- err\n{err[-3000:]}"
+    assert re.search(r"^skip ntasks=3: ERROR +gpus-not-divisible", out, re.M), out
+    assert "failed:" not in out, out + err[-3000:]
+    records = [json.loads(line) for line in (workdir / "sweep_results.jsonl").read_text().splitlines()]
+    got = sorted((x["tasks_per_node"], x["nb_part"]) for x in records)
+    assert got == [(1, 4), (2, 2), (4, 1)], got
+    assert {x["job_id"] for x in records} == {job}  # one allocation, queued once
+    # each step asked for its own tasks per node and cores per task: 40 cores / tasks (the template's set -x)
+    asked = sorted(set(re.findall(r"^\++ srun --ntasks-per-node=(\d) -n (\d) -c (\d+) python", err, re.M)))
+    assert asked == [("1", "1", "40"), ("2", "2", "20"), ("4", "4", "10")], err[-3000:]
 
 
 def test_cluster_stops_without_leftovers(tmp_path_factory):
