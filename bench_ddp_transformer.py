@@ -12,10 +12,16 @@ One machine:
     torchrun --nproc-per-node 2 bench_ddp_transformer.py --chunks 4
 One replica, no GPU, no data (the synthetic corpus; the model still split in 2 parts on the CPU):
     python bench_ddp_transformer.py
+A task per GPU instead (torch.distributed.pipelining): bench_stage.py, which reuses this file's model and loop.
+
+The page's code comes first, in the page's order: process group and RPC, nb_part / first_part / last_part,
+the module_list loop, the Pipe, DDP, the training step, saving and loading. Everything the page does not
+have (data and cache, checkpoints and resume, stop signals, the JSON record) comes after main().
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import hashlib
 import json
@@ -33,6 +39,7 @@ import warnings
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
@@ -41,11 +48,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+# The page's Pipe, torch.distributed.pipeline.sync.Pipe, exists up to torch 2.3 (removed in 2.4); fairscale.nn.Pipe
+# is the library it was upstreamed from, same GPipe and arguments, and runs on current torch. --engine picks one
+# (auto: the page's where it exists); pick_engine() below says what to install when the chosen one is missing.
+try:
+    from torch.distributed.pipeline.sync import Pipe as TorchPipe
+except ImportError:  # torch >= 2.4
+    TorchPipe = None
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fairscale.nn import Pipe as FairscalePipe
+except ImportError:  # pip install --user fairscale
+    FairscalePipe = None
+
 # torch 2.3's DDP warns about its own internal use of the gloo backend object; nothing a user can act on
 warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
 
 import check_topology
-import idr_torch
+import idr_torch  # the page's idr_torch: rank, size, local_rank, cpus_per_task from Slurm (or torchrun)
 
 CACHE_FORMAT = 2  # bump when the tokenised cache layout changes
 CKPT_FORMAT = "bench_ddp_transformer/1"
@@ -59,53 +80,22 @@ class LostContact(RunError):
     """A collective failed: each surviving task says so (rank 0 may be the one that died)."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# arguments: None means "the GPU or CPU default" (check_topology.GPU_DEFAULTS / CPU_DEFAULTS)
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    a("--nlayers", type=int, help="Layer blocks (GPU 16, CPU 4)")
-    a("--d-model", type=int, help="width (GPU 1024, CPU 64)")
-    a("--n-head", type=int, help="attention heads (GPU 16, CPU 4)")
-    a("--d-hid", type=int, help="feed-forward width (GPU 4096, CPU 128)")
-    a("--dropout", type=float, help="(GPU 0.1, CPU 0: on the CPU the masks cost as much as the matmuls)")
-    a("--seq-len", type=int, help="tokens per review (GPU 256, CPU 64)")
-    a("--vocab-size", type=int, help="vocabulary incl. <pad>,<unk> (GPU 30000, CPU 2000)")
-    a("--chunks", type=int, help="micro-batches per batch: 1 = naive model parallel (GPU 4, CPU 2)")
-    a("--batch-size", type=int, help="samples per step per replica (task) (GPU 64, CPU 32)")
-    a("--nb-part", type=int, help="GPUs per replica (default: the page's GPUs per node // tasks per node; CPU 2)")
-    a("--engine", choices=check_topology.ENGINES, default="auto",
-      help="auto: torch-pipe on torch <= 2.3, else fairscale")
-    a("--layout", choices=("replica", "stage"), default="replica",
-      help="replica: the page's (a task per replica, Pipe over its GPUs); stage: a task per GPU, "
-           "torch.distributed.pipelining")
-    a("--pp", type=int, default=2, help="stage layout: tasks per pipeline (replicas = world size / pp)")
-    a("--schedule", choices=tuple(check_topology.SCHEDULES), default="1f1b", help="stage layout's schedule")
-    a("--virtual-stages", type=int, default=2, help="stages per task for interleaved1f1b/loopedbfs/interleavedzb")
-    a("--epochs", type=int, default=3)
-    a("--max-steps", type=int, default=0, help="stop after this many steps in all (0: no limit)")
-    a("--warmup-steps", type=int, default=3, help="steps left out of the timing (allocator, autotuning)")
-    a("--lr", type=float, default=1e-3)
-    a("--seed", type=int, default=1234)
-    a("--data-dir", help="aclImdb/ or aclImdb_v1.tar.gz, or a folder holding one (default $DSDIR/IMDB)")
-    a("--cache-dir", help="where the tokenised corpus is cached (default $SCRATCH, else the data's folder "
-      "if writable, else ./.cache)")
-    a("--synthetic", type=int, default=0, help="N synthetic reviews instead of IMDB (default when no data: 4000)")
-    a("--workers", type=int, default=-1, help="DataLoader workers (-1: from cpus_per_task on GPU, 0 on CPU)")
-    a("--timeout", type=float, default=600, help="seconds before a collective with a dead rank gives up")
-    a("--log-every", type=float, default=30, help="seconds between progress lines within an epoch")
-    a("--json-out", help="append one JSON line with the configuration and results (rank 0)")
-    a("--save", help="write the checkpoint here after each epoch (rank 0, atomically)")
-    a("--load", help="start from this checkpoint (every rank loads it)")
-    a("--resume", action="store_true", help="start from the --save file if it exists (a requeued job continues)")
-    return p.parse_args(argv)
-
-
 def log(*msg: object) -> None:
     """Print from rank 0 only (Slurm merges every task's stdout into one file)."""
     if idr_torch.rank == 0:
         print(*msg, flush=True)
+
+
+def pick_engine(requested: str) -> str:
+    """--engine auto|torch-pipe|fairscale to the engine that runs here, or one line saying what to install."""
+    if requested == "torch-pipe" and TorchPipe is None:
+        raise RunError(f"--engine torch-pipe needs torch <= 2.3 (torch.distributed.pipeline was removed in 2.4) "
+                       f"but this is torch {torch.__version__}; use --engine fairscale (or auto)")
+    engine = ("torch-pipe" if TorchPipe is not None else "fairscale") if requested == "auto" else requested
+    if engine == "fairscale" and FairscalePipe is None:
+        raise RunError("--engine fairscale needs fairscale next to this torch: pip install --user fairscale"
+                       + ("" if TorchPipe is None else ", or use --engine torch-pipe"))
+    return engine
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,36 +135,62 @@ class Decoder(nn.Module):
         return self.head(x.mean(dim=1))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# the page's path, in its order
+def init_distributed(timeout: float, cuda: bool) -> None:
+    """The page's dist.init_process_group(backend='nccl', init_method='env://', world_size=idr_torch.size,
+    rank=idr_torch.rank); gloo where there is no GPU."""
+    if cuda:  # a collective whose peer died fails after `timeout` instead of blocking forever
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    idr_torch.export_env()  # MASTER_ADDR/PORT (kept if already set), RANK, WORLD_SIZE, LOCAL_RANK
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", world_size=idr_torch.size,
+                            rank=idr_torch.rank, timeout=timedelta(seconds=timeout))
+
+
+def init_rpc_for_pipe() -> tempfile.NamedTemporaryFile:
+    """torch <= 2.3's Pipe needs RPC in the process, even alone: the page's per-process file:// store.
+    _transports=["shm", "uv"] as on Jean Zay (no "ibv"); CUDA channels only where CUDA exists."""
+    import torch.distributed.rpc as rpc
+    tmpfile = tempfile.NamedTemporaryFile()
+    channels = ["cuda_ipc", "cuda_basic", "basic"] if torch.cuda.is_available() else ["basic"]
+    rpc.init_rpc(name="worker", rank=0, world_size=1, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+        init_method=f"file://{tmpfile.name}", _transports=["shm", "uv"], _channels=channels))
+    return tmpfile
+
+
 def build_module_list(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> list[nn.Sequential]:
-    """The page's loop, with the plan's balanced split: one nn.Sequential per part, each on its device.
-    Modules are created in the same order whatever the split, so one seed gives one model."""
-    module_list, tmp_list = [], [Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len).to(plan.device(0))]
-    layer_part = plan.layer_part
+    """The page's loop: one nn.Sequential per part, each on its GPU. The plan comes from check_topology (the
+    checker approves exactly what runs). Modules are created in the same order whatever the split, so one seed
+    gives one model."""
+    # The number of parts into which the model will be sharded.
+    # page: nb_part = torch.cuda.device_count() // int(os.environ['SLURM_NTASKS_PER_NODE'])
+    # kit: the same, or --nb-part, or the GPUs Slurm bound to this task (--gpus-per-task)
+    nb_part = plan.nb_part
+    # The GPU I.D. number into which the first part of the model will go.
+    # page: first_part = idr_torch.local_rank * nb_part    kit: the same, or 0 when Slurm bound GPUs per task
+    first_part = plan.first_part
+    # The GPU I.D. number into which the last part of the model will go.   page: first_part + nb_part - 1
+    last_part = plan.last_part
+    # page: partition_len = max(nlayers / nb_part, 1), a float: with nlayers % nb_part != 0 it puts layers of
+    # two GPUs in one partition. kit: a balanced integer split, the page's own whenever nlayers % nb_part == 0.
+    layer_part = check_topology.split_layers(cfg.nlayers, nb_part)  # the part of each Layer block
+    gpu = (lambda index: "cpu") if plan.cpu else (lambda index: f"cuda:{index}")
+
+    module_list = []
+    # The encoder will always be loaded by the first GPU
+    tmp_list = [Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len).to(gpu(first_part))]
+    # Add all the model transformer blocks; they will be loaded by the appropriate GPU
     for i in range(cfg.nlayers):
         transformer_block = Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout)
-        if i > 0 and layer_part[i] != layer_part[i - 1]:
+        if i != 0 and layer_part[i] != layer_part[i - 1]:
             module_list.append(nn.Sequential(*tmp_list))
             tmp_list = []
-        tmp_list.append(transformer_block.to(plan.device(layer_part[i])))
-    # with nlayers % nb_part == 0 every part has layers; the checker refuses nlayers < nb_part
-    tmp_list.append(Decoder(cfg.d_model, cfg.d_hid).to(plan.device(plan.nb_part - 1)))
+        device = layer_part[i]
+        tmp_list.append(transformer_block.to(gpu(first_part + device)))
+    # The model's head always goes into the last GPU (the checker refuses nlayers < nb_part: no part is empty)
+    tmp_list.append(Decoder(cfg.d_model, cfg.d_hid).to(gpu(last_part)))
     module_list.append(nn.Sequential(*tmp_list))
     return module_list
-
-
-def pick_engine(requested: str) -> str:
-    legacy = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) <= (2, 3)
-    if requested == "torch-pipe" and not legacy:
-        raise RunError(f"--engine torch-pipe needs torch <= 2.3 (torch.distributed.pipeline was removed in 2.4) "
-                       f"but this is torch {torch.__version__}; use --engine fairscale (or auto)")
-    engine = ("torch-pipe" if legacy else "fairscale") if requested == "auto" else requested
-    if engine == "fairscale":
-        try:
-            import fairscale.nn  # noqa: F401
-        except ImportError:
-            raise RunError("--engine fairscale needs fairscale: pip install fairscale"
-                           + ("" if not legacy else ", or use --engine torch-pipe")) from None
-    return engine
 
 
 class PipeModel(nn.Sequential):
@@ -191,14 +207,12 @@ class PipeModel(nn.Sequential):
         super().__init__(*module_list)
         before = set(threading.enumerate())
         if engine == "torch-pipe":
-            from torch.distributed.pipeline.sync import Pipe
-            pipe = Pipe(nn.Sequential(*module_list), chunks=chunks, checkpoint="never")
+            pipe = TorchPipe(nn.Sequential(*module_list), chunks=chunks, checkpoint="never")
         else:
-            from fairscale.nn import Pipe
             with warnings.catch_warnings():  # "upstreamed to PyTorch": not on torch >= 2.4, it was removed
                 warnings.simplefilter("ignore", DeprecationWarning)
-                pipe = Pipe(nn.Sequential(*module_list), balance=[1] * len(module_list), devices=devices,
-                            chunks=chunks, checkpoint="never")
+                pipe = FairscalePipe(nn.Sequential(*module_list), balance=[1] * len(module_list), devices=devices,
+                                     chunks=chunks, checkpoint="never")
         object.__setattr__(self, "pipe", pipe)  # not a registered child: parameters and keys stay ours
         self.engine = engine
         self.workers = [t for t in threading.enumerate() if t not in before]  # the Pipe's per-device threads
@@ -229,6 +243,186 @@ class PipeModel(nn.Sequential):
         self.workers = []
         del pipe, pipeline
         gc.collect()
+
+
+class Replica:
+    """The page's layout: this task holds one whole replica, split over its GPUs by a Pipe; DDP across tasks.
+    The training loop (train() below) drives it; bench_stage.py's Stages has the same methods."""
+    name = "replica"
+    equal_batches = False  # the Pipe takes a short last batch
+
+    def __init__(self, cfg: argparse.Namespace, plan: check_topology.TaskPlan, engine: str) -> None:
+        self.cfg, self.plan, self.engine = cfg, plan, engine
+        self.nb_part, self.dp_size, self.dp_rank = plan.nb_part, idr_torch.size, idr_torch.rank
+        # the devices of the page's first_part (inputs) and last_part (labels, loss, accuracy)
+        self.first_part_device, self.last_part_device = plan.device(0), plan.device(plan.nb_part - 1)
+        self.stats_device = self.last_part_device
+        torch.manual_seed(cfg.seed)  # same initial weights on every replica (DDP also broadcasts rank 0's)
+        # model = Pipe(nn.Sequential(*module_list), chunks=args.chunks, checkpoint="never")
+        self.model = PipeModel(build_module_list(cfg, plan), engine, cfg.chunks,
+                               [plan.device(i) for i in range(plan.nb_part)])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        self.total_params = sum(p.numel() for p in self.model.parameters())
+        self.ddp_mp_model: DistributedDataParallel | None = None
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        """The page: `model.load_state_dict(torch.load(model_path))` on every process, before DDP wraps it."""
+        self.model.load_state_dict(model_state)  # every key, every shape: strict
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def start(self) -> None:
+        # ddp_mp_model = DistributedDataParallel(model): no device_ids / output_device, the module spans
+        # several devices (the page's "Important")
+        self.ddp_mp_model = DistributedDataParallel(self.model)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One step; returns (loss x samples, correct, samples) on the device, never read here."""
+        # the inputs go to the GPU of first_part, the labels to the GPU of last_part (where the output comes out)
+        x, y = x.to(self.first_part_device, non_blocking=True), y.to(self.last_part_device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, logits = forward_backward(self.ddp_mp_model, x, y)
+        self.optimizer.step()
+        return torch.stack([loss * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
+
+    def state(self) -> tuple[dict, dict]:
+        """What rank 0 saves: the page's `model.module.state_dict()` (the whole replica, no 'module.' prefix),
+        copied to the CPU, and the optimizer's state."""
+        return {k: v.cpu() for k, v in self.ddp_mp_model.module.state_dict().items()}, self.optimizer.state_dict()
+
+    # ---- beyond the page: evaluation, timing, memory, the replica check, the record
+    @torch.no_grad()
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.model.eval()  # the Pipe directly, not DDP: no collectives per batch
+        logits = self.model(x.to(self.first_part_device, non_blocking=True))
+        self.model.train()
+        y = y.to(self.last_part_device, non_blocking=True)
+        return torch.stack([(logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
+
+    def describe(self) -> str:
+        return (f"{self.dp_size} replica(s), nb_part {self.nb_part} "
+                f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.gpu_ids)} on rank 0), engine "
+                f"{self.engine}: " + " | ".join(f"{self.plan.device(i)}: {c}" for i, c in enumerate(self.plan.contents)))
+
+    def synchronize(self) -> None:
+        if not self.plan.cpu:
+            for d in self.plan.devices:
+                torch.cuda.synchronize(d)
+
+    def peak_memory_gb(self) -> float:
+        return 0.0 if self.plan.cpu else max(torch.cuda.max_memory_allocated(d) for d in self.plan.devices) / 2**30
+
+    def divergence(self) -> float:
+        return divergence(fingerprint([self.model]).to(self.stats_device), None, self.dp_size)
+
+    def placement(self, launch: idr_torch.Launch) -> dict:
+        return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "nb_part": self.nb_part,
+                "devices": [self.plan.device(i) for i in range(self.nb_part)], "gpu_ids": self.plan.gpu_ids}
+
+    def record(self) -> dict:
+        return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": None,
+                "schedule": "gpipe", "gpus": idr_torch.size * self.nb_part}
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's forward and backward; returns the loss and the logits (detached)."""
+    logits = ddp_mp_model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    return loss.detach(), logits.detach()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Arguments and check_topology's verdict before anything is started, then the page's steps (run())."""
+    cfg = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    resolve(cfg, cuda)
+    plan = make_plan(cfg, cuda)  # nb_part, first_part, last_part of this task, or one clear error
+    engine = pick_engine(cfg.engine)
+    return run(cfg, cuda, engine, lambda: Replica(cfg, plan, engine))
+
+
+def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable[[], "Replica"]) -> int:
+    """init_process_group, init_rpc where the engine needs it, the model, train(); then tear it all down, even
+    on an error (a Pipe left alive hangs the process at exit)."""
+    launch = idr_torch.current()
+    check_save_path(cfg.save)
+    source = data_source(cfg)
+    torch.set_num_threads(cpu_threads(launch))
+    init_distributed(cfg.timeout, cuda)
+    rpc_file = init_rpc_for_pipe() if engine == "torch-pipe" else None
+    trainer = None
+    try:
+        trainer = make_trainer()
+        return train(cfg, trainer, launch, source, cuda)
+    except RuntimeError as exc:
+        if launch.size > 1 and is_comm_error(exc):
+            raise LostContact(f"task {launch.rank} lost contact with the others ({str(exc).splitlines()[0][:200]}): "
+                              f"a task died or hung, so every task stops instead of waiting for the time limit; "
+                              f"start again with --resume to continue from the last checkpoint") from None
+        raise
+    finally:
+        if trainer is not None:
+            trainer.close()
+        del trainer
+        gc.collect()
+        if rpc_file is not None:
+            import torch.distributed.rpc as rpc
+            rpc.shutdown(graceful=False)
+            rpc_file.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ================================================================================================================
+# Beyond the page: arguments, data and cache, checks, checkpoints and resume, stop signals, the training loop
+# (shared with bench_stage.py), the replica fingerprint, the JSON record.
+
+
+def base_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments both trainers take. None means "the GPU or CPU default": check_topology.GPU_DEFAULTS /
+    CPU_DEFAULTS, the one table of them, which the help shows."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    gpu, cpu = check_topology.GPU_DEFAULTS, check_topology.CPU_DEFAULTS
+    for name, kind, text in [("--nlayers", int, "Layer blocks"), ("--d-model", int, "width"),
+                             ("--n-head", int, "attention heads"), ("--d-hid", int, "feed-forward width"),
+                             ("--dropout", float, "dropout (on the CPU its masks cost as much as the matmuls)"),
+                             ("--seq-len", int, "tokens per review"),
+                             ("--vocab-size", int, "vocabulary incl. <pad>,<unk>"),
+                             ("--chunks", int, "micro-batches per batch: 1 = naive model parallel"),
+                             ("--batch-size", int, "samples per step per replica")]:
+        key = name[2:].replace("-", "_")
+        a(name, type=kind, help=f"{text} (default: GPU {gpu[key]}, CPU {cpu[key]})")
+    a("--epochs", type=int, default=3)
+    a("--max-steps", type=int, default=0, help="stop after this many steps in all (0: no limit)")
+    a("--warmup-steps", type=int, default=3, help="steps left out of the timing (allocator, autotuning)")
+    a("--lr", type=float, default=1e-3)
+    a("--seed", type=int, default=1234)
+    a("--data-dir", help="aclImdb/ or aclImdb_v1.tar.gz, or a folder holding one (default $DSDIR/IMDB)")
+    a("--cache-dir", help="where the tokenised corpus is cached (default $SCRATCH, else the data's folder "
+      "if writable, else ./.cache)")
+    a("--synthetic", type=int, default=0, help="N synthetic reviews instead of IMDB (default when no data: 4000)")
+    a("--workers", type=int, default=-1, help="DataLoader workers (-1: from cpus_per_task on GPU, 0 on CPU)")
+    a("--timeout", type=float, default=600, help="seconds before a collective with a dead rank gives up")
+    a("--log-every", type=float, default=30, help="seconds between progress lines within an epoch")
+    a("--json-out", help="append one JSON line with the configuration and results (rank 0)")
+    a("--save", help="write the checkpoint here after each epoch (rank 0, atomically)")
+    a("--load", help="start from this checkpoint (every rank loads it)")
+    a("--resume", action="store_true", help="start from the --save file if it exists (a requeued job continues)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = base_parser(__doc__)
+    p.add_argument("--nb-part", type=int, help="GPUs per replica (default: the page's GPUs per node // tasks "
+                   f"per node; CPU {check_topology.CPU_NB_PART})")
+    p.add_argument("--engine", choices=check_topology.ENGINES, default="auto",
+                   help="auto: torch-pipe on torch <= 2.3, else fairscale")
+    return p.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -476,55 +670,65 @@ def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, replicas: int, ran
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# setup: who am I, what is my plan, the process group
+# setup: the defaults, this task's plan and check_topology's verdict, before any process group exists
+POSITIVE = ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "chunks", "batch_size", "nb_part",
+            "epochs", "pp", "virtual_stages")
+
+
 def resolve(cfg: argparse.Namespace, cuda: bool) -> None:
     """Fill the GPU or CPU defaults; refuse counts below 1 before anything is built."""
     defaults = check_topology.GPU_DEFAULTS if cuda else check_topology.CPU_DEFAULTS
     for k, v in defaults.items():
         if getattr(cfg, k) is None:
             setattr(cfg, k, v)
-    for k in ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "chunks", "batch_size", "nb_part",
-              "epochs", "pp", "virtual_stages"):
-        if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
+    for k in POSITIVE:
+        if getattr(cfg, k, None) is not None and getattr(cfg, k) < 1:
             raise RunError(f"--{k.replace('_', '-')} {getattr(cfg, k)} must be at least 1")
     if not 0 <= cfg.dropout < 1:
         raise RunError(f"--dropout {cfg.dropout} must be in [0, 1)")
 
 
-def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
-    """This task's plan from check_topology, and its verdict on the arguments: errors stop us here, before
-    init_process_group, with the same message the pre-flight check gives."""
+def task_plan(cuda: bool, nlayers: int, nb_part: int | None, findings: check_topology.Findings
+              ) -> check_topology.TaskPlan:
+    """This task's plan from check_topology, from what idr_torch says this task sees."""
     launch = idr_torch.current()
     if cuda:
         count = torch.cuda.device_count()
         visible = launch.visible_gpus if len(launch.visible_gpus) == count else [str(i) for i in range(count)]
     else:  # CPU fallback: mirror the layout of the GPUs Slurm gave (if any), every part on the CPU
         visible = launch.visible_gpus
-    findings = check_topology.Findings()
-    stage = cfg.layout == "stage"
     plan = check_topology.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size,
-                                    visible, launch.gpus_on_node, cfg.nlayers,
-                                    1 if stage else cfg.nb_part, findings)  # stage layout: a GPU per task
+                                    visible, launch.gpus_on_node, nlayers, nb_part, findings)
     plan.cpu = plan.cpu or not cuda
-    training = check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
-                                       engine=cfg.engine, nb_part=cfg.nb_part, layout=cfg.layout, pp=cfg.pp,
-                                       schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)
-    parts = check_topology.check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, training,
-                                       findings, cpu=not cuda) if stage else plan.nb_part
-    check_topology.check_training(parts, training, findings, cpu=not cuda)
+    return plan
+
+
+def verdict(cfg: argparse.Namespace, findings: check_topology.Findings) -> None:
+    """Warnings printed once, errors raised with the same message the pre-flight check gives; then what only
+    the model can refuse."""
     for f in findings:
         if f.level == "warning":
             log(f"check_topology: {f}")
     errors = findings.errors
     if errors:
         raise RunError("; ".join(f"{f.code}: {f.message}" for f in errors))
-    if cfg.n_head < 1 or cfg.d_model % cfg.n_head:
+    if cfg.d_model % cfg.n_head:
         raise RunError(f"--d-model ({cfg.d_model}) must be a multiple of --n-head ({cfg.n_head}); "
                        f"try --n-head {max(d for d in check_topology.divisors(cfg.d_model) if d <= cfg.n_head)}")
     if cfg.d_model % 2:
         raise RunError(f"--d-model ({cfg.d_model}) must be even (sinusoidal positions)")
     if cfg.vocab_size <= len(SPECIALS):
         raise RunError(f"--vocab-size ({cfg.vocab_size}) must be larger than {len(SPECIALS)}")
+
+
+def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
+    """The replica layout's plan and verdict: errors stop us here, before init_process_group."""
+    findings = check_topology.Findings()
+    plan = task_plan(cuda, cfg.nlayers, cfg.nb_part, findings)
+    training = check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
+                                       engine=cfg.engine, nb_part=cfg.nb_part)
+    check_topology.check_training(plan.nb_part, training, findings, cpu=not cuda)
+    verdict(cfg, findings)
     return plan
 
 
@@ -555,30 +759,11 @@ def cpu_threads(launch: idr_torch.Launch) -> int:
     return min(int(cpt), share) if cpt.isdigit() else share
 
 
-def init_distributed(timeout: float, cuda: bool) -> None:
-    if cuda:  # a collective whose peer died fails after `timeout` instead of blocking forever
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    idr_torch.export_env()  # MASTER_ADDR/PORT (kept if already set), RANK, WORLD_SIZE, LOCAL_RANK
-    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", world_size=idr_torch.size,
-                            rank=idr_torch.rank, timeout=timedelta(seconds=timeout))
-
-
-def init_rpc_for_pipe() -> tempfile.NamedTemporaryFile:
-    """torch <= 2.3's Pipe needs RPC in the process, even alone: the page's per-process file:// store.
-    _transports=["shm", "uv"] as on Jean Zay (no "ibv"); CUDA channels only where CUDA exists."""
-    import torch.distributed.rpc as rpc
-    tmpfile = tempfile.NamedTemporaryFile()
-    channels = ["cuda_ipc", "cuda_basic", "basic"] if torch.cuda.is_available() else ["basic"]
-    rpc.init_rpc(name="worker", rank=0, world_size=1, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-        init_method=f"file://{tmpfile.name}", _transports=["shm", "uv"], _channels=channels))
-    return tmpfile
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # checkpoints: the page's model.module.state_dict() (no "module." prefix), plus what resuming needs
 def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
     """What a checkpoint must match: the model and how many parts it is cut in (whatever the layout:
-    replica nb_part 2 and stage --pp 2 hold the same parts under the same keys)."""
+    nb_part 2 here and bench_stage.py --pp 2 hold the same parts under the same keys)."""
     return {"nb_part": nb_part, "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head,
             "d_hid": cfg.d_hid, "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
             "part_sizes": check_topology.part_sizes(cfg.nlayers, nb_part)}
@@ -623,27 +808,34 @@ def read_checkpoint(path: str, cfg: argparse.Namespace, nb_part: int) -> dict:
     return state
 
 
-def split_optimizer_state(state: dict, counts: list[int]) -> list[dict]:
-    """A whole-model AdamW state (parameters numbered in module order) cut into consecutive pieces of
-    `counts` parameters, each renumbered from 0: one per pipeline stage."""
-    pieces, start = [], 0
-    for n in counts:
-        group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
-        pieces.append({"state": {i - start: v for i, v in state["state"].items() if start <= i < start + n},
-                       "param_groups": [dict(group, params=list(range(n)))]})
-        start += n
-    return pieces
+def save_progress(cfg: argparse.Namespace, trainer: Replica, epoch: int, batch_in_epoch: int, step: int,
+                  world: int) -> None:
+    """Every rank calls it (the RNG states, and the stage layout's consolidation, are collectives); rank 0
+    writes --save."""
+    if not cfg.save:
+        return
+    model_state, optimizer_state = trainer.state()
+    rngs = rng_states(world)
+    if idr_torch.rank == 0:
+        save_checkpoint(cfg.save, model_state, optimizer_state, epoch, batch_in_epoch, step, rngs, cfg,
+                        trainer.nb_part, trainer.engine)
 
 
-def merge_optimizer_states(pieces: list[dict]) -> dict:
-    """The inverse of split_optimizer_state."""
-    merged, start = {"state": {}, "param_groups": []}, 0
-    for piece in pieces:
-        merged["state"].update({i + start: v for i, v in piece["state"].items()})
-        start += len(piece["param_groups"][0]["params"])
-    group = {k: v for k, v in pieces[0]["param_groups"][0].items() if k != "params"}
-    merged["param_groups"] = [dict(group, params=list(range(start)))]
-    return merged
+def resume_point(cfg: argparse.Namespace, trainer: Replica) -> tuple[int, int, int, dict | None]:
+    """--load, or --resume's --save file if it exists, into the model on every rank (before DDP wraps it):
+    (epoch, batch in that epoch, step, the checkpoint), or a fresh start."""
+    load = cfg.load or (cfg.save if cfg.resume and cfg.save and Path(cfg.save).expanduser().exists() else None)
+    if not load:
+        return 0, 0, 0, None
+    state = read_checkpoint(load, cfg, trainer.nb_part)
+    try:
+        trainer.load(state["model"], state["optimizer"])
+    except (RuntimeError, ValueError, KeyError, IndexError) as exc:
+        raise RunError(f"--load {load} does not fit this model ({str(exc).splitlines()[0][:160]}); rerun "
+                       f"with the options it was saved with: {state.get('args')}") from None
+    start_epoch, skip, step = state["epoch"], state.get("batch_in_epoch", 0), state["step"]
+    log(f"loaded {load}: epoch {start_epoch}" + (f" + {skip} batches" if skip else "") + f", step {step}")
+    return start_epoch, skip, step, state
 
 
 def restore_rng(state: dict, rank: int) -> None:
@@ -679,15 +871,6 @@ class StopRequest:
         return bool(self.flag[0] > 0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's forward and backward; returns the loss and the logits (detached)."""
-    logits = ddp_mp_model(x)
-    loss = F.cross_entropy(logits, y)
-    loss.backward()
-    return loss.detach(), logits.detach()
-
-
 def reduce_max(values: list[float], device: str, world: int) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if world > 1:
@@ -714,214 +897,175 @@ def divergence(fp: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the two layouts, behind one interface for the training loop
-class Replica:
-    """The page's layout: this task holds one whole replica, split over its GPUs by a Pipe; DDP across tasks."""
-    name = "replica"
-
-    def __init__(self, cfg: argparse.Namespace, plan: check_topology.TaskPlan, engine: str, world: int,
-                 rank: int) -> None:
-        self.cfg, self.plan, self.engine = cfg, plan, engine
-        self.nb_part, self.dp_size, self.dp_rank = plan.nb_part, world, rank
-        self.first, self.last = plan.device(0), plan.device(plan.nb_part - 1)
-        self.stats_device = self.last
-        torch.manual_seed(cfg.seed)  # same initial weights on every replica (DDP also broadcasts rank 0's)
-        module_list = build_module_list(cfg, plan)
-        self.model = PipeModel(module_list, engine, cfg.chunks, [plan.device(i) for i in range(plan.nb_part)])
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
-        self.total_params = sum(p.numel() for p in self.model.parameters())
-        self.ddp_mp_model: DistributedDataParallel | None = None
-
-    def describe(self) -> str:
-        return (f"{self.dp_size} replica(s), nb_part {self.nb_part} "
-                f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.gpu_ids)} on rank 0), engine "
-                f"{self.engine}: " + " | ".join(f"{self.plan.device(i)}: {c}" for i, c in enumerate(self.plan.contents)))
-
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
-        self.model.load_state_dict(model_state)  # every key, every shape: strict
-        self.optimizer.load_state_dict(optimizer_state)
-
-    def start(self) -> None:
-        # No device_ids / output_device: the module spans several devices (the page's "Important").
-        self.ddp_mp_model = DistributedDataParallel(self.model)
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One step; returns (loss x samples, correct, samples) on the device, never read here."""
-        x, y = x.to(self.first, non_blocking=True), y.to(self.last, non_blocking=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss, logits = forward_backward(self.ddp_mp_model, x, y)
-        self.optimizer.step()
-        return torch.stack([loss * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=self.last)])
-
-    @torch.no_grad()
-    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.model.eval()  # the Pipe directly, not DDP: no collectives per batch
-        logits = self.model(x.to(self.first, non_blocking=True))
-        self.model.train()
-        y = y.to(self.last, non_blocking=True)
-        return torch.stack([(logits.argmax(1) == y).sum(), torch.tensor(len(y), device=self.last)])
-
-    def synchronize(self) -> None:
-        if not self.plan.cpu:
-            for d in self.plan.devices:
-                torch.cuda.synchronize(d)
-
-    def peak_memory_gb(self) -> float:
-        return 0.0 if self.plan.cpu else max(torch.cuda.max_memory_allocated(d) for d in self.plan.devices) / 2**30
-
-    def state(self) -> tuple[dict, dict]:
-        """The whole replica's state (the page's model.module.state_dict()), on the CPU."""
-        return {k: v.cpu() for k, v in self.ddp_mp_model.module.state_dict().items()}, self.optimizer.state_dict()
-
-    def divergence(self) -> float:
-        return divergence(fingerprint([self.model]).to(self.last), None, self.dp_size)
-
-    def placement(self, launch: idr_torch.Launch) -> dict:
-        return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "nb_part": self.nb_part,
-                "devices": [self.plan.device(i) for i in range(self.nb_part)], "gpu_ids": self.plan.gpu_ids}
-
-    def close(self) -> None:
-        self.model.close()
+# the training loop, shared by both layouts (bench_stage.py's Stages has Replica's methods)
+@dataclasses.dataclass
+class Epoch:
+    """One epoch's progress, as train_epoch leaves it."""
+    step: int  # steps done in all, this epoch's included
+    stats: torch.Tensor  # loss x samples, correct, samples: on the device, summed without a host sync
+    batches: int = 0  # batches of this epoch done, the ones skipped on resume included
+    timed_steps: int = 0
+    t_begin: float = dataclasses.field(default_factory=time.time)
+    t_timed: float | None = None  # when the timed steps began (after the warm-up)
+    first_batch_at: float | None = None
 
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
-             "loopedbfs": "ScheduleLoopedBFS"}
+def train(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, source: Path | None,
+          cuda: bool) -> int:
+    """Data, the resume point, DDP, then per epoch: train, stop if asked, evaluate, save; the record."""
+    world, rank, dp = launch.size, launch.rank, trainer.dp_size
+    log(f"torch {torch.__version__}, {trainer.name} layout, backend {dist.get_backend()}, world size {world} on "
+        f"{launch.num_nodes} node(s), chunks {cfg.chunks}, batch {cfg.batch_size}/replica "
+        f"({cfg.batch_size * dp} global)")
+    log(f"  {trainer.describe()}")
+    train_loader, test_loader = make_loaders(cfg, load_corpus(cfg, source, world), trainer, launch, cuda)
+    start_epoch, skip, step, state = resume_point(cfg, trainer)  # loaded before DDP wraps the model
+    trainer.start()
+    torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ between replicas
+    if state is not None:
+        restore_rng(state, rank)
+    stop = StopRequest(cuda)
+    log(f"  model: {trainer.total_params / 1e6:.2f} M parameters; {len(train_loader)} steps per epoch")
+    history, startup_s = [], None
+    for epoch in range(start_epoch, cfg.epochs):
+        ep = train_epoch(cfg, trainer, train_loader, epoch, skip, step, stop, world)
+        step = ep.step
+        if startup_s is None and ep.first_batch_at is not None:  # imports, data, model: before step 1
+            startup_s = ep.first_batch_at - psutil.Process().create_time()
+        if stop.flag[0] > 0:  # agreed by every rank at the same step (a signal of its own alone is not)
+            return stop_and_checkpoint(cfg, trainer, ep, epoch, len(train_loader), stop, world)
+        skip = 0
+        history.append(end_of_epoch(cfg, trainer, test_loader, epoch, ep, world, cuda))
+        if cfg.save:
+            save_progress(cfg, trainer, epoch + 1, 0, step, world)
+            log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}, step {step})")
+        if cfg.max_steps and step >= cfg.max_steps:
+            break
+    finish(cfg, trainer, launch, history, startup_s, cuda)
+    return 0
 
 
-def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """The stages a rank holds: one, or `virtual` of them looped (r, r+pp, r+2pp, ...)."""
-    return [pp_rank + k * pp for k in range(virtual)]
+def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Replica, launch: idr_torch.Launch,
+                 cuda: bool) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
+    dp = trainer.dp_size  # replicas that each see their own share of the data
+    workers = cfg.workers if cfg.workers >= 0 else (min(4, max(0, launch.cpus_per_task - 1)) if cuda else 0)
+    train_loader = make_loader(data["train_x"], data["train_y"], cfg.batch_size, dp, trainer.dp_rank, True,
+                               cfg.seed, workers, cuda)
+    # the stage layout's schedules want every batch the same size: a short last test batch is dropped there
+    test_loader = make_loader(data["test_x"], data["test_y"], cfg.batch_size, dp, trainer.dp_rank,
+                              trainer.equal_batches, cfg.seed, workers, cuda, shuffle=False)
+    if len(train_loader) == 0:
+        raise RunError(f"{len(data['train_y'])} training reviews give no full batch of {cfg.batch_size} per "
+                       f"replica x {dp} replicas; lower --batch-size or add data")
+    return train_loader, test_loader
 
 
-class Stages:
-    """Beyond the page: one task per GPU, torch.distributed.pipelining (PipelineStage + a schedule) across the
-    `pp` tasks of a pipeline, DDP across the dp pipelines over each stage's group: a 2-D mesh (dp, pp) as in
-    torchtitan. Consecutive ranks form a pipeline, so its stages stay on one node when tasks per node allow."""
-    name = "stage"
+def train_epoch(cfg: argparse.Namespace, trainer: Replica, loader: torch.utils.data.DataLoader, epoch: int,
+                skip: int, step: int, stop: StopRequest, world: int) -> Epoch:
+    """One epoch from batch `skip` on (resumed inside this epoch: same sampler order, those are done)."""
+    loader.sampler.sampler.set_epoch(epoch)
+    ep = Epoch(step=step, stats=torch.zeros(3, dtype=torch.float64, device=trainer.stats_device))
+    t_last_log = time.time()
+    for i, (x, y) in enumerate(loader):
+        ep.batches = i + 1
+        if i < skip:
+            continue
+        ep.first_batch_at = ep.first_batch_at or time.time()
+        if i == skip + cfg.warmup_steps:  # counted from the first batch this run trains on
+            trainer.synchronize()
+            ep.t_timed = time.time()
+        ep.stats += trainer.train_step(x, y)  # stays on the device: no .item() (a host sync) in the loop
+        ep.step += 1
+        ep.timed_steps += int(ep.t_timed is not None)
+        if stop.agreed(world):
+            break
+        if idr_torch.rank == 0 and time.time() - t_last_log > cfg.log_every:
+            t_last_log = time.time()
+            log(f"  epoch {epoch + 1} step {i + 1}/{len(loader)}"
+                + (f" loss {(ep.stats[0] / ep.stats[2]).item():.4f}" if ep.stats[2] > 0 else "")
+                + f" ({time.time() - ep.t_begin:.0f}s)")
+        if cfg.max_steps and ep.step >= cfg.max_steps:
+            break
+    return ep
 
-    def __init__(self, cfg: argparse.Namespace, plan: check_topology.TaskPlan, world: int, rank: int,
-                 cuda: bool) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        self.cfg, self.plan = cfg, plan
-        self.pp, self.virtual = cfg.pp, check_topology.stages_per_rank(cfg.schedule, cfg.virtual_stages)
-        self.dp_size = world // self.pp
-        self.nb_part = self.pp * self.virtual  # stages of one pipeline = parts of one replica
-        self.mesh = init_device_mesh("cuda" if cuda else "cpu", (self.dp_size, self.pp), mesh_dim_names=("dp", "pp"))
-        self.pp_rank, self.dp_rank = self.mesh["pp"].get_local_rank(), self.mesh["dp"].get_local_rank()
-        self.device = torch.device(plan.device(0))
-        if cuda:
-            torch.cuda.set_device(self.device)
-        self.ids = stage_ids(self.pp_rank, self.pp, self.virtual)
-        self.first_holder, self.last_holder = 0 in self.ids, self.nb_part - 1 in self.ids
-        self.stats_device = self.device
-        # Build the whole replica on the CPU with the replica layout's seed and order, keep our stages: the same
-        # initial weights as --layout replica, and the same state_dict keys.
-        torch.manual_seed(cfg.seed)
-        cpu_plan = check_topology.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, self.nb_part)
-        module_list = build_module_list(cfg, cpu_plan)
-        self.param_counts = [len(list(m.parameters())) for m in module_list]
-        self.total_params = sum(p.numel() for m in module_list for p in m.parameters())
-        self.modules = {s: module_list[s].to(self.device) for s in self.ids}
-        del module_list
-        self.optimizers = {s: torch.optim.AdamW(m.parameters(), lr=cfg.lr) for s, m in self.modules.items()}
-        self.schedule = None
 
-    def describe(self) -> str:
-        contents = check_topology.part_contents(self.cfg.nlayers, self.nb_part)
-        return (f"{self.dp_size} pipeline(s) x pp {self.pp} ({self.virtual} stage(s) per task), schedule "
-                f"{self.cfg.schedule}; rank 0 holds " + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
-                + f" on {self.device}")
+def evaluate(trainer: Replica, loader: torch.utils.data.DataLoader, world: int) -> float:
+    acc = torch.zeros(2, dtype=torch.float64, device=trainer.stats_device)
+    for x, y in loader:
+        acc += trainer.eval_step(x, y)
+    if world > 1:
+        dist.all_reduce(acc)
+    return (acc[0] / acc[1].clamp(min=1)).item()
 
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
-        pieces = split_optimizer_state(optimizer_state, self.param_counts)
-        for s, m in self.modules.items():
-            prefix = f"{s}."
-            m.load_state_dict({k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)})
-            self.optimizers[s].load_state_dict(pieces[s])
 
-    def start(self) -> None:
-        from torch.distributed import pipelining
-        dp_group, pp_group = self.mesh["dp"].get_group(), self.mesh["pp"].get_group()
-        # The schedule runs one backward per micro-batch (no_sync on all but the last). DDP's first-iteration
-        # bucket rebuild then counts every parameter once per micro-batch and fails an internal assert
-        # (torch 2.13); static_graph=True runs but leaves the replicas apart (seen with the fingerprint check).
-        # find_unused_parameters=True skips that rebuild: one more graph traversal per backward, replicas equal.
-        self.ddp = {s: DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=True)
-                    for s, m in self.modules.items()}
-        stages = [pipelining.PipelineStage(self.ddp[s], s, self.nb_part, self.device, group=pp_group)
-                  for s in self.ids]
-        cls = getattr(pipelining, SCHEDULES[self.cfg.schedule], None)
-        if cls is None:
-            raise RunError(f"--schedule {self.cfg.schedule}: this torch ({torch.__version__}) has no "
-                           f"{SCHEDULES[self.cfg.schedule]}; use gpipe or 1f1b")
-        try:
-            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=F.cross_entropy)
-                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks,
-                                                          loss_fn=F.cross_entropy))
-        except ValueError as exc:
-            raise RunError(f"--schedule {self.cfg.schedule} with --chunks {self.cfg.chunks} and --pp {self.pp}: "
-                           f"{exc}") from None
+def end_of_epoch(cfg: argparse.Namespace, trainer: Replica, test_loader: torch.utils.data.DataLoader, epoch: int,
+                 ep: Epoch, world: int, cuda: bool) -> dict:
+    """The epoch's figures (summed over the replicas), evaluation, one line; the row of the record."""
+    trainer.synchronize()
+    t_end = time.time()
+    if world > 1:
+        dist.all_reduce(ep.stats)
+    timed = t_end - ep.t_timed if ep.t_timed is not None and ep.timed_steps else None
+    samples_per_s = ep.timed_steps * cfg.batch_size * trainer.dp_size / timed if timed else None
+    test_acc = evaluate(trainer, test_loader, world)
+    peak_gb, rss_gb = reduce_max([trainer.peak_memory_gb(), psutil.Process().memory_info().rss / 2**30],
+                                 trainer.stats_device, world)
+    seen = max(ep.stats[2].item(), 1)
+    row = {"epoch": epoch + 1, "steps": ep.batches, "loss": ep.stats[0].item() / seen,
+           "train_acc": ep.stats[1].item() / seen, "test_acc": test_acc, "epoch_time_s": t_end - ep.t_begin,
+           "samples_per_s": samples_per_s, "timed_steps": ep.timed_steps,
+           "peak_gpu_mem_gb": peak_gb if cuda else None, "host_rss_gb": rss_gb}
+    log(f"epoch {row['epoch']:3d} | steps {row['steps']:5d} | loss {row['loss']:.4f} | train acc "
+        f"{row['train_acc']:.3f} | test acc {test_acc:.3f} | {row['epoch_time_s']:7.1f}s | "
+        + (f"{samples_per_s:9.1f} samples/s" if samples_per_s else "   (too few steps to time)")
+        + (f" | peak GPU mem {peak_gb:.2f} GiB" if cuda else "") + f" | host RSS {rss_gb:.2f} GiB")
+    return row
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor, run) -> torch.Tensor | None:
-        args = (x.to(self.device, non_blocking=True),) if self.first_holder else ()
-        target = y.to(self.device, non_blocking=True) if self.last_holder else None
-        return run(*args, target=target, losses=self._losses) if self.last_holder else run(*args)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=True)
-        self._losses: list[torch.Tensor] = []
-        out = self._run(x, y, self.schedule.step)
-        for opt in self.optimizers.values():
-            opt.step()
-        if not self.last_holder:  # inputs go to the first stage only; loss and accuracy live on the last
-            return torch.zeros(3, device=self.device)
-        y = y.to(self.device, non_blocking=True)
-        loss = torch.stack([l.detach() for l in self._losses]).mean()
-        return torch.stack([loss * len(y), (out.detach().argmax(1) == y).sum(), torch.tensor(len(y), device=self.device)])
+def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Replica, ep: Epoch, epoch: int, n_batches: int,
+                        stop: StopRequest, world: int) -> int:
+    """Every rank stopped at the same step: checkpoint where we are (mid-epoch too), exit 75 (requeue)."""
+    done_all = ep.batches == n_batches
+    save_progress(cfg, trainer, epoch + int(done_all), 0 if done_all else ep.batches, ep.step, world)
+    log(f"stopping on {stop.signal or 'a signal to another task'} at epoch {epoch + 1}, "
+        f"batch {ep.batches}/{n_batches}, step {ep.step}: "
+        + (f"checkpoint saved to {cfg.save}; run again with --resume (the templates requeue) to go on"
+           if cfg.save else "no --save given, so this progress is lost"))
+    return StopRequest.EXIT_CODE
 
-    @torch.no_grad()
-    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for m in self.modules.values():
-            m.eval()
-        self._losses = []
-        out = self._run(x, y, self.schedule.eval)
-        for m in self.modules.values():
-            m.train()
-        if not self.last_holder:
-            return torch.zeros(2, device=self.device)
-        y = y.to(self.device, non_blocking=True)
-        return torch.stack([(out.argmax(1) == y).sum(), torch.tensor(len(y), device=self.device)])
 
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def peak_memory_gb(self) -> float:
-        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
-
-    def state(self) -> tuple[dict, dict]:
-        """Consolidated on every rank (a collective): the first pipeline's stages, under the replica layout's
-        keys, so a checkpoint moves between layouts."""
-        mine = {s: ({k: v.cpu() for k, v in m.state_dict().items()}, self.optimizers[s].state_dict())
-                for s, m in self.modules.items()} if self.dp_rank == 0 else {}
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        by_stage = {s: v for d in everyone for s, v in d.items()}
-        model = {f"{s}.{k}": v for s in sorted(by_stage) for k, v in by_stage[s][0].items()}
-        return model, merge_optimizer_states([by_stage[s][1] for s in sorted(by_stage)])
-
-    def divergence(self) -> float:
-        fp = fingerprint([self.modules[s] for s in self.ids]).to(self.device)
-        return divergence(fp, self.mesh["dp"].get_group(), self.dp_size)
-
-    def placement(self, launch: idr_torch.Launch) -> dict:
-        return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "stages": self.ids,
-                "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "nb_part": 1, "devices": [str(self.device)],
-                "gpu_ids": self.plan.gpu_ids}
-
-    def close(self) -> None:
-        self.schedule = None
+def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, history: list[dict],
+           startup_s: float | None, cuda: bool) -> None:
+    """The replica check, the summary line and the JSON record."""
+    gap = trainer.divergence()
+    plans: list = [None] * launch.size  # where every task put its parts, for the record
+    if launch.size > 1:
+        dist.all_gather_object(plans, trainer.placement(launch))
+    else:
+        plans = [trainer.placement(launch)]
+    log(f"replicas in sync: max parameter fingerprint difference {gap:.3g} over {trainer.dp_size} replica(s)")
+    if not history:
+        return
+    best = max((r["samples_per_s"] for r in history if r["samples_per_s"]), default=None)
+    total_s = time.time() - psutil.Process().create_time()
+    log(f"summary: {trainer.name} layout, {trainer.dp_size} replica(s) x {trainer.nb_part} part(s), chunks "
+        f"{cfg.chunks}, batch {cfg.batch_size}/replica: " + (f"{best:.1f} samples/s (best epoch), " if best else "")
+        + f"final test acc {history[-1]['test_acc']:.3f}, total {total_s:.1f}s")
+    if cfg.json_out and launch.rank == 0:
+        record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, **trainer.record(),
+                  "backend": dist.get_backend(), "device": "cuda" if cuda else "cpu",
+                  "gpu_name": torch.cuda.get_device_name(trainer.stats_device) if cuda else None,
+                  "nodes": launch.num_nodes, "tasks": launch.size, "tasks_per_node": launch.local_world_size,
+                  "world_size": launch.size, "replicas": trainer.dp_size, "chunks": cfg.chunks,
+                  "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * trainer.dp_size,
+                  **{k: getattr(cfg, k) for k in ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size")},
+                  "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
+                  "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
+                  "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"], "host_rss_gb": history[-1]["host_rss_gb"],
+                  "test_acc": history[-1]["test_acc"], "replica_divergence": gap, "plans": plans,
+                  "startup_s": startup_s, "total_s": total_s, "epochs": history}
+        with open(cfg.json_out, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -933,189 +1077,16 @@ def is_comm_error(exc: BaseException) -> bool:
                                    "timed out", "Timed out", "Broken pipe", "TCPStore", "peer"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    t_start = time.time()
-    cuda = torch.cuda.is_available()
-    resolve(cfg, cuda)
-    launch = idr_torch.current()
-    rank, world = launch.rank, launch.size
-    plan = make_plan(cfg, cuda)
-    engine = pick_engine(cfg.engine) if cfg.layout == "replica" else "pipelining"
-    check_save_path(cfg.save)
-    source = data_source(cfg)
-    torch.set_num_threads(cpu_threads(launch))
-
-    init_distributed(cfg.timeout, cuda)
-    rpc_file = init_rpc_for_pipe() if engine == "torch-pipe" else None
-    trainer = None
-    try:
-        trainer = Replica(cfg, plan, engine, world, rank) if cfg.layout == "replica" else \
-            Stages(cfg, plan, world, rank, cuda)
-        dp = trainer.dp_size  # replicas that each see their own share of the data
-        log(f"bench_ddp_transformer: torch {torch.__version__}, {cfg.layout} layout, backend {dist.get_backend()}, "
-            f"world size {world} on {launch.num_nodes} node(s), chunks {cfg.chunks}, batch {cfg.batch_size}/replica "
-            f"({cfg.batch_size * dp} global)")
-        log(f"  {trainer.describe()}")
-        data = load_corpus(cfg, source, world)
-        workers = cfg.workers if cfg.workers >= 0 else (min(4, max(0, launch.cpus_per_task - 1)) if cuda else 0)
-        train_loader = make_loader(data["train_x"], data["train_y"], cfg.batch_size, dp, trainer.dp_rank, True,
-                                   cfg.seed, workers, cuda)
-        # the stage layout's schedules want every batch the same size: a short last test batch is dropped
-        test_loader = make_loader(data["test_x"], data["test_y"], cfg.batch_size, dp, trainer.dp_rank,
-                                  cfg.layout == "stage", cfg.seed, workers, cuda, shuffle=False)
-        if len(train_loader) == 0:
-            raise RunError(f"{len(data['train_y'])} training reviews give no full batch of {cfg.batch_size} per "
-                           f"replica x {dp} replicas; lower --batch-size or add data")
-
-        start_epoch, skip, step, state = 0, 0, 0, None
-        load = cfg.load or (cfg.save if cfg.resume and cfg.save and Path(cfg.save).expanduser().exists() else None)
-        if load:
-            state = read_checkpoint(load, cfg, trainer.nb_part)
-            try:
-                trainer.load(state["model"], state["optimizer"])
-            except (RuntimeError, ValueError, KeyError, IndexError) as exc:
-                raise RunError(f"--load {load} does not fit this model ({str(exc).splitlines()[0][:160]}); rerun "
-                               f"with the options it was saved with: {state.get('args')}") from None
-            start_epoch, skip, step = state["epoch"], state.get("batch_in_epoch", 0), state["step"]
-            log(f"loaded {load}: epoch {start_epoch}" + (f" + {skip} batches" if skip else "") + f", step {step}")
-        trainer.start()
-        torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ between replicas
-        if state is not None:
-            restore_rng(state, rank)
-        stop = StopRequest(cuda)
-        log(f"  model: {trainer.total_params / 1e6:.2f} M parameters; "
-            f"{len(train_loader)} steps per epoch")
-
-        history, startup_s = [], None
-        for epoch in range(start_epoch, cfg.epochs):
-            train_loader.sampler.sampler.set_epoch(epoch)
-            stats = torch.zeros(3, dtype=torch.float64, device=trainer.stats_device)  # loss sum, correct, seen
-            timed_steps, t0, t_last_log, t_epoch = 0, None, time.time(), time.time()
-            for i, (x, y) in enumerate(train_loader):
-                if i < skip:  # resumed inside this epoch: same sampler order, these batches are done
-                    continue
-                if startup_s is None:  # imports, data, model build: what a user waits for before step 1
-                    startup_s = time.time() - psutil.Process().create_time()
-                if i == skip + cfg.warmup_steps:  # counted from the first batch this run trains on
-                    trainer.synchronize()
-                    t0 = time.time()
-                stats += trainer.train_step(x, y)  # stays on the device: no .item() (a host sync) in the loop
-                step += 1
-                timed_steps += int(t0 is not None)
-                if stop.agreed(world):
-                    break
-                if rank == 0 and time.time() - t_last_log > cfg.log_every:
-                    t_last_log = time.time()
-                    log(f"  epoch {epoch + 1} step {i + 1}/{len(train_loader)}"
-                        + (f" loss {(stats[0] / stats[2]).item():.4f}" if stats[2] > 0 else "")
-                        + f" ({time.time() - t_epoch:.0f}s)")
-                if cfg.max_steps and step >= cfg.max_steps:
-                    break
-            if stop.flag[0] > 0:  # agreed by every rank at the same step (a signal of its own alone is not)
-                done_all = i + 1 == len(train_loader)
-                model_state, optimizer_state = trainer.state()
-                rngs = rng_states(world)
-                if cfg.save and rank == 0:
-                    save_checkpoint(cfg.save, model_state, optimizer_state, epoch + int(done_all),
-                                    0 if done_all else i + 1, step, rngs, cfg, trainer.nb_part, engine)
-                log(f"stopping on {stop.signal or 'a signal to another task'} at epoch {epoch + 1}, "
-                    f"batch {i + 1}/{len(train_loader)}, step {step}: "
-                    + (f"checkpoint saved to {cfg.save}; run again with --resume (the templates requeue) to go on"
-                       if cfg.save else "no --save given, so this progress is lost"))
-                return StopRequest.EXIT_CODE
-            skip = 0
-            trainer.synchronize()
-            t_end = time.time()
-            if world > 1:
-                dist.all_reduce(stats)
-            epoch_time = t_end - t_epoch
-            timed = t_end - t0 if t0 is not None and timed_steps else None
-            samples_per_s = timed_steps * cfg.batch_size * dp / timed if timed else None
-            acc = torch.zeros(2, dtype=torch.float64, device=trainer.stats_device)
-            for x, y in test_loader:
-                acc += trainer.eval_step(x, y)
-            if world > 1:
-                dist.all_reduce(acc)
-            test_acc = (acc[0] / acc[1].clamp(min=1)).item()
-            peak_gb, rss_gb = reduce_max([trainer.peak_memory_gb(), psutil.Process().memory_info().rss / 2**30],
-                                         trainer.stats_device, world)
-            row = {"epoch": epoch + 1, "steps": i + 1, "loss": stats[0].item() / max(stats[2].item(), 1),
-                   "train_acc": stats[1].item() / max(stats[2].item(), 1), "test_acc": test_acc,
-                   "epoch_time_s": epoch_time, "samples_per_s": samples_per_s, "timed_steps": timed_steps,
-                   "peak_gpu_mem_gb": peak_gb if cuda else None, "host_rss_gb": rss_gb}
-            history.append(row)
-            log(f"epoch {row['epoch']:3d} | steps {row['steps']:5d} | loss {row['loss']:.4f} | train acc "
-                f"{row['train_acc']:.3f} | test acc {test_acc:.3f} | {epoch_time:7.1f}s | "
-                + (f"{samples_per_s:9.1f} samples/s" if samples_per_s else "   (too few steps to time)")
-                + (f" | peak GPU mem {peak_gb:.2f} GiB" if cuda else "") + f" | host RSS {rss_gb:.2f} GiB")
-            if cfg.save:
-                model_state, optimizer_state = trainer.state()
-                rngs = rng_states(world)
-                if rank == 0:
-                    save_checkpoint(cfg.save, model_state, optimizer_state, epoch + 1, 0, step, rngs, cfg,
-                                    trainer.nb_part, engine)
-                    log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}, step {step})")
-            if cfg.max_steps and step >= cfg.max_steps:
-                break
-
-        gap = trainer.divergence()
-        plans: list = [None] * world  # where every task put its parts, for the record
-        if world > 1:
-            dist.all_gather_object(plans, trainer.placement(launch))
-        else:
-            plans = [trainer.placement(launch)]
-        log(f"replicas in sync: max parameter fingerprint difference {gap:.3g} over {dp} replica(s)")
-        if history:
-            best = max((r["samples_per_s"] for r in history if r["samples_per_s"]), default=None)
-            log(f"summary: {cfg.layout} layout, {dp} replica(s) x {trainer.nb_part} part(s), chunks {cfg.chunks}, "
-                f"batch {cfg.batch_size}/replica: " + (f"{best:.1f} samples/s (best epoch), " if best else "")
-                + f"final test acc {history[-1]['test_acc']:.3f}, total {time.time() - t_start:.1f}s")
-            if cfg.json_out and rank == 0:
-                record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, "engine": engine,
-                          "layout": cfg.layout, "backend": dist.get_backend(), "device": "cuda" if cuda else "cpu",
-                          "gpu_name": torch.cuda.get_device_name(trainer.stats_device) if cuda else None,
-                          "nodes": launch.num_nodes, "tasks": world, "tasks_per_node": launch.local_world_size,
-                          "world_size": world, "replicas": dp, "nb_part": trainer.nb_part,
-                          "gpus": world if cfg.layout == "stage" else world * trainer.nb_part,
-                          "pp": getattr(trainer, "pp", None), "schedule": cfg.schedule if cfg.layout == "stage" else
-                          "gpipe", "chunks": cfg.chunks, "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * dp,
-                          "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head, "d_hid": cfg.d_hid,
-                          "seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size,
-                          "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
-                          "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
-                          "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"],
-                          "host_rss_gb": history[-1]["host_rss_gb"], "test_acc": history[-1]["test_acc"],
-                          "replica_divergence": gap, "plans": plans, "startup_s": startup_s,
-                          "total_s": time.time() - psutil.Process().create_time(), "epochs": history}
-                with open(cfg.json_out, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-        return 0
-    except RuntimeError as exc:
-        if world > 1 and is_comm_error(exc):
-            raise LostContact(f"task {rank} lost contact with the others ({str(exc).splitlines()[0][:200]}): a task "
-                              f"died or hung, so every task stops instead of waiting for the time limit; start "
-                              f"again with --resume to continue from the last checkpoint") from None
-        raise
-    finally:
-        if trainer is not None:
-            trainer.close()
-        del trainer
-        gc.collect()
-        if rpc_file is not None:
-            import torch.distributed.rpc as rpc
-            rpc.shutdown(graceful=False)
-            rpc_file.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-if __name__ == "__main__":
+def cli(main: Callable[[], int], prog: str) -> None:
+    """Run a trainer's main(); a user error is one line (every rank reaches the same verdict: say it once)."""
     try:
         sys.exit(main())
     except (RunError, idr_torch.LaunchError) as exc:
-        # every rank reaches the same verdict: say it once
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
         if rank == 0 or isinstance(exc, (idr_torch.LaunchError, LostContact)):
-            print(f"bench_ddp_transformer: error: {exc}", file=sys.stderr, flush=True)
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli(main, "bench_ddp_transformer")

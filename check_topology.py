@@ -43,10 +43,13 @@ CPU_DEFAULTS = dict(nlayers=4, d_model=64, n_head=4, d_hid=128, seq_len=64, voca
                     chunks=2, batch_size=32, dropout=0.0)
 CPU_NB_PART = 2  # no GPU: still split in two so the pipeline is exercised
 ENGINES = ("auto", "torch-pipe", "fairscale")
-# --layout stage: torch.distributed.pipelining schedules; the multi-stage ones hold several stages per task.
+# The stage layout (bench_stage.py): torch.distributed.pipelining's schedules, by --schedule name (the one list of
+# them: bench_stage.py's choices, and the class it builds); the multi-stage ones hold several stages per task.
 # Not offered: the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) split the
 # weight gradients out of the backward, which DDP's gradient hooks don't follow (ZB-V crashed with DDP here).
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
+             "loopedbfs": "ScheduleLoopedBFS"}
+TRAINERS = {"bench_ddp_transformer.py": "replica", "bench_stage.py": "stage"}  # the script sets the layout
 MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
 
 # Jean Zay's GPU nodes, by partition and by constraint (-C): GPUs and cores per node. Memory is granted per
@@ -160,12 +163,6 @@ class TaskPlan:
 
     def device(self, part: int) -> str:
         return "cpu" if self.cpu else f"cuda:{self.devices[part]}"
-
-    @property
-    def layer_part(self) -> list[int]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return split_layers(self.nlayers, self.nb_part)
 
     @property
     def contents(self) -> list[str]:
@@ -519,7 +516,7 @@ def format_memory(parts: list[PartMemory], gpu_gib: float | None = None) -> str:
 def memory_line(model: dict, t: "Training", nb_part: int, replicas: int, gpu_gib: float | None = None) -> str:
     """The trainer's start-up line: the estimate of the replica layout, or why there is none."""
     if t.layout != "replica":
-        return "memory estimate: not modelled for --layout stage (its schedules keep other micro-batches alive)"
+        return "memory estimate: not modelled for the stage layout (bench_stage.py: its schedules keep more alive)"
     return format_memory(estimate_memory(model, t, nb_part, replicas), gpu_gib)
 
 
@@ -720,7 +717,7 @@ def stages_per_rank(schedule: str, virtual: int) -> int:
 
 def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None, t: Training,
                 findings: Findings, cpu: bool = False) -> int:
-    """--layout stage: a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per pipeline."""
+    """The stage layout (bench_stage.py): a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per pipeline."""
     pp, v = t.pp, stages_per_rank(t.schedule, t.virtual_stages)
     defaults = CPU_DEFAULTS if cpu else GPU_DEFAULTS
     chunks = t.chunks if t.chunks is not None else defaults["chunks"]
@@ -728,7 +725,7 @@ def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None
         findings.error("bad-schedule", f"--schedule {t.schedule!r} is not one of {', '.join(SCHEDULES)}")
     if pp < 2:
         findings.error("pp-too-small", f"--pp {pp}: a pipeline needs at least 2 stages; for pure data parallel "
-                       "use --layout replica --nb-part 1")
+                       "use bench_ddp_transformer.py --nb-part 1")
         return max(pp, 1) * v
     if world % pp:
         findings.error("pp-not-dividing-world", f"--pp {pp} must divide the world size ({world} tasks) into whole "
@@ -1249,14 +1246,16 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
             for mod in m.group(1).split():
                 if torch_version_of(mod):
                     job.torch_module = mod
-        if "bench_ddp_transformer.py" in stripped and not seen_trainer:
+        script = next((name for name in TRAINERS if name in stripped), None)
+        if script and not seen_trainer:
             seen_trainer = True
             try:
                 argv = shlex.split(stripped, comments=True)
             except ValueError as exc:
                 findings.error("bad-command", f"{where}: cannot parse the trainer's line ({exc})")
                 continue
-            cut = next(i for i, a in enumerate(argv) if a.endswith("bench_ddp_transformer.py"))
+            cut = next(i for i, a in enumerate(argv) if a.endswith(script))
+            training.layout = TRAINERS[script]
             if argv and argv[0] == "srun":  # srun's own options override the job's for this step
                 for name, value in parse_options([a for a in argv[1:cut] if a not in ("python", "python3")],
                                                  where, Findings()):
@@ -1264,8 +1263,8 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
                         apply_option(job, name, value, where, findings)
             training_from_argv(argv[cut + 1:], training, where, findings)
     if not seen_trainer:
-        findings.warn("no-trainer-line", f"{Path(path).name}: no 'srun ... bench_ddp_transformer.py' line found; "
-                      "the training arguments were taken from the defaults")
+        findings.warn("no-trainer-line", f"{Path(path).name}: no 'srun ... bench_ddp_transformer.py' (or "
+                      "bench_stage.py) line found; the training arguments were taken from the defaults")
     return job, training, findings
 
 

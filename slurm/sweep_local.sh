@@ -33,8 +33,8 @@ if [ -n "${STAGE_PP-2 4}" ] && "$PYTHON" -c "import torch.distributed.pipelining
           echo "skip: stage pp=$pp batch=$batch chunks=$chunks (1f1b wants chunks >= pp, dividing the batch)"; continue
         fi
         echo "run: stage layout pp=$pp x dp=$(( PARTS / pp )) batch=$batch chunks=$chunks"
-        "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$PARTS" bench_ddp_transformer.py \
-            --layout stage --pp "$pp" --schedule 1f1b --chunks "$chunks" --batch-size "$batch" --epochs 1 \
+        "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$PARTS" bench_stage.py \
+            --pp "$pp" --schedule 1f1b --chunks "$chunks" --batch-size "$batch" --epochs 1 \
             --synthetic "$SYNTHETIC" --json-out "$RESULTS" > /dev/null 2>&1
       done
     done

@@ -58,9 +58,10 @@ def run_tasks(argv: list[str], envs: list[dict[str, str]], timeout: float = 240,
     return results
 
 
-def bench(args: list[str], ntasks: int = 1, nodes: int = 1, timeout: float = 240,
-          python: str | None = None, **extra_env: str) -> list[subprocess.CompletedProcess]:
+def bench(args: list[str], ntasks: int = 1, nodes: int = 1, timeout: float = 240, python: str | None = None,
+          script: str = "bench_ddp_transformer.py", **extra_env: str) -> list[subprocess.CompletedProcess]:
+    """Run a trainer (bench_ddp_transformer.py, or bench_stage.py) as `srun -n ntasks -N nodes` would."""
     envs = srun_envs(ntasks, nodes) if ntasks > 1 or nodes > 1 else [clean_env()]
     for env in envs:
         env.update(extra_env)
-    return run_tasks([str(ROOT / "bench_ddp_transformer.py"), *args], envs, timeout=timeout, python=python)
+    return run_tasks([str(ROOT / script), *args], envs, timeout=timeout, python=python)

@@ -1,4 +1,4 @@
-"""One training step of the stage layout (torch.distributed.pipelining, DDP per stage) on a fixed global batch;
+"""One training step of bench_stage.py's stage layout (torch.distributed.pipelining, DDP per stage) on a fixed global batch;
 saves the loss seen by the last stage and every local stage's gradients under the replica layout's names.
 Started once per task by tests/test_stage.py, under srun-like variables."""
 from __future__ import annotations
@@ -10,17 +10,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_ddp_transformer as bench  # noqa: E402
+import bench_stage  # noqa: E402
 import idr_torch  # noqa: E402
 from hybrid_step_worker import global_batch  # noqa: E402
 
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    cfg = bench.parse_args(sys.argv[2:])
+    cfg = bench_stage.parse_args(sys.argv[2:])
     bench.resolve(cfg, cuda=False)
-    plan = bench.make_plan(cfg, cuda=False)
+    plan = bench_stage.make_plan(cfg, cuda=False)
     bench.init_distributed(120, cuda=False)
-    trainer = bench.Stages(cfg, plan, idr_torch.size, idr_torch.rank, cuda=False)
+    trainer = bench_stage.Stages(cfg, plan, cuda=False)
     trainer.start()
     x, y = global_batch(cfg, trainer.dp_size)
     shard = slice(trainer.dp_rank * cfg.batch_size, (trainer.dp_rank + 1) * cfg.batch_size)

@@ -301,7 +301,7 @@ def test_stage_layout_from_sbatch_line(tmp_path):
     script = tmp_path / "stage.slurm"
     script.write_text("#!/bin/bash\n#SBATCH -C v100-32g -N 2 --gres=gpu:4 --ntasks-per-node=4 -c 10 "
                       "--hint=nomultithread -t 1:00:00\n"
-                      "srun python bench_ddp_transformer.py --layout stage --pp 3 --schedule gpipe --nlayers 12\n")
+                      "srun python bench_stage.py --pp 3 --schedule gpipe --nlayers 12\n")
     job, training, findings = ct.read_sbatch(script)
     assert (training.layout, training.pp, training.schedule) == ("stage", 3, "gpipe")
     report = ct.check_job(job, training)

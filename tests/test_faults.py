@@ -244,7 +244,7 @@ def test_nonsense_environment_on_the_command_line():
     env = clean_env(SLURM_JOB_ID="9", SLURM_STEP_ID="0", SLURM_PROCID="7", SLURM_NTASKS="4",
                     SLURM_STEP_NUM_TASKS="4", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="4",
                     SLURM_STEP_NODELIST="n1")
-    for script in ("bench_ddp_transformer.py", "check_topology.py", "idr_torch.py"):
+    for script in ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py"):
         r = subprocess.run([sys.executable, str(ROOT / script)], env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode in (1, 2), (script, r.stderr)
         assert "rank 7 (from SLURM_PROCID) is not below the world size 4" in r.stderr, (script, r.stderr)

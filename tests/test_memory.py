@@ -100,7 +100,7 @@ def test_estimate_terms():
     line = ct.format_memory(plain, 32.0)
     assert line.startswith("memory estimate: ") and "of 32.0 GiB" in line and "x 4 alive" in line
     assert ct.memory_line(model, ct.Training(), 2, 6, 32.0) == line
-    assert "not modelled for --layout stage" in ct.memory_line(model, ct.Training(layout="stage"), 2, 6)
+    assert "not modelled for the stage layout" in ct.memory_line(model, ct.Training(layout="stage"), 2, 6)
 
 
 def test_estimate_refuses_bad_input():

@@ -17,13 +17,13 @@ import pytest
 from launch import ROOT, clean_env
 
 pytestmark = pytest.mark.slurm
-SCRIPTS = ("bench_ddp_transformer.py", "check_topology.py", "idr_torch.py")
+SCRIPTS = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py")
 TEMPLATES = sorted((ROOT / "slurm").glob("*.slurm"))
 
 
 @pytest.fixture
 def workdir(tmp_path_factory, slurm_cluster) -> Path:
-    """A user's $WORK: the three scripts and the templates, world-traversable for the job's processes."""
+    """A user's $WORK: the scripts and the templates, world-traversable for the job's processes."""
     work = tmp_path_factory.mktemp("work")
     for name in SCRIPTS:
         shutil.copy(ROOT / name, work / name)

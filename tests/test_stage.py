@@ -1,4 +1,4 @@
-"""--layout stage: a task per GPU, torch.distributed.pipelining stages, DDP over each stage's dp group.
+"""bench_stage.py: a task per GPU, torch.distributed.pipelining stages, DDP over each stage's dp group.
 The same correctness tests as the page's layout: learning, replicas in sync, gradients of the plain model,
 checkpoints (which move between the two layouts)."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from launch import ROOT, bench, run_tasks, srun_envs
 
 pytestmark = pytest.mark.multiproc
+STAGE = "bench_stage.py"
 TORCH = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
 
 
@@ -30,9 +31,9 @@ def ok(results) -> str:
 
 def test_stage_layout_learns_in_sync_and_checkpoints(tmp_path):
     out, ckpt = tmp_path / "runs.jsonl", tmp_path / "stage.pt"
-    stdout = ok(bench(["--layout", "stage", "--pp", "2", "--schedule", "1f1b", "--chunks", "2", "--batch-size", "32",
+    stdout = ok(bench(["--pp", "2", "--schedule", "1f1b", "--chunks", "2", "--batch-size", "32",
                        "--synthetic", "2000", "--epochs", "2", "--cache-dir", str(tmp_path), "--json-out", str(out),
-                       "--save", str(ckpt)], ntasks=4, nodes=2))
+                       "--save", str(ckpt)], ntasks=4, nodes=2, script=STAGE))
     [record] = [json.loads(line) for line in out.read_text().splitlines()]
     assert (record["layout"], record["pp"], record["replicas"], record["nb_part"]) == ("stage", 2, 2, 2)
     assert record["replica_divergence"] == 0.0  # DDP over each stage's dp group kept the pipelines equal
@@ -44,28 +45,29 @@ def test_stage_layout_learns_in_sync_and_checkpoints(tmp_path):
     state = torch.load(ckpt, weights_only=False)
     assert "0.0.embedding.weight" in state["model"] and "1.2.head.2.weight" in state["model"]
     assert state["layout"]["nb_part"] == 2
-    resumed = ok(bench(["--layout", "replica", "--nb-part", "2", "--batch-size", "32", "--synthetic", "2000",
+    resumed = ok(bench(["--nb-part", "2", "--batch-size", "32", "--synthetic", "2000",
                         "--epochs", "3", "--cache-dir", str(tmp_path), "--load", str(ckpt), "--save",
                         str(tmp_path / "replica.pt")], ntasks=2))
     assert f"loaded {ckpt}: epoch 2" in resumed and "epoch   3 |" in resumed
-    back = ok(bench(["--layout", "stage", "--pp", "2", "--schedule", "gpipe", "--chunks", "2", "--batch-size", "32",
+    back = ok(bench(["--pp", "2", "--schedule", "gpipe", "--chunks", "2", "--batch-size", "32",
                      "--synthetic", "2000", "--epochs", "4", "--cache-dir", str(tmp_path), "--load",
-                     str(tmp_path / "replica.pt")], ntasks=2))
+                     str(tmp_path / "replica.pt")], ntasks=2, script=STAGE))
     assert "epoch   4 |" in back
 
 
 @pytest.mark.parametrize("schedule,virtual,chunks", [("gpipe", 1, 2), ("1f1b", 1, 4), ("interleaved1f1b", 2, 4)])
 def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chunks):
-    args = ["--layout", "stage", "--pp", "2", "--schedule", schedule, "--virtual-stages", str(virtual),
+    args = ["--pp", "2", "--schedule", schedule, "--virtual-stages", str(virtual),
             "--chunks", str(chunks), "--nlayers", "4", "--batch-size", "8", "--dropout", "0", "--seed", "11"]
     ok(run_tasks([str(ROOT / "tests" / "stage_step_worker.py"), str(tmp_path), *args], srun_envs(4)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
 
     sys.path.insert(0, str(ROOT / "tests"))
     import bench_ddp_transformer as b
+    import bench_stage
     import check_topology as ct
     from hybrid_step_worker import global_batch
-    cfg = b.parse_args(args)
+    cfg = bench_stage.parse_args(args)
     b.resolve(cfg, cuda=False)
     torch.manual_seed(cfg.seed)
     parts = 2 * virtual
@@ -93,6 +95,6 @@ def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chun
     (["--pp", "1"], "--pp 1: a pipeline needs at least 2 stages"),
 ])
 def test_stage_layout_bad_requests(tmp_path, args, needle):
-    results = bench(["--layout", "stage", *args, "--cache-dir", str(tmp_path)], ntasks=4, timeout=90)
+    results = bench([*args, "--cache-dir", str(tmp_path)], ntasks=4, timeout=90, script=STAGE)
     assert all(r.returncode == 1 for r in results)
     assert needle in results[0].stderr and "Traceback" not in results[0].stderr

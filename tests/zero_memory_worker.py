@@ -21,7 +21,7 @@ def main() -> None:
     bench.resolve(cfg, cuda=False)
     plan = bench.make_plan(cfg, cuda=False)
     bench.init_distributed(120, cuda=False)
-    replica = bench.Replica(cfg, plan, "fairscale", idr_torch.size, idr_torch.rank)
+    replica = bench.Replica(cfg, plan, "fairscale")
     replica.optimizer = ZeroRedundancyOptimizer(replica.model.parameters(), optimizer_class=torch.optim.AdamW,
                                                 lr=cfg.lr)
     replica.start()

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""
+The stage layout: the same model and training loop as bench_ddp_transformer.py, a different process layout.
+One task per GPU; `--pp` consecutive tasks form one pipeline (torch.distributed.pipelining: PipelineStage and
+a schedule, --schedule gpipe|1f1b|interleaved1f1b|loopedbfs); DDP over each stage's group of pipelines: a 2-D
+mesh (dp, pp) as in torchtitan. Needs torch >= 2.4. Checkpoints have bench_ddp_transformer.py's keys, so they
+move between the two layouts.
+
+On a Slurm cluster (a task per GPU):
+    srun python check_topology.py --layout stage --pp 2 --schedule 1f1b    # pre-flight, then:
+    srun python bench_stage.py --pp 2 --schedule 1f1b --chunks 8 --batch-size 128 --data-dir $DSDIR/IMDB
+One machine, no GPU:
+    torchrun --nproc-per-node 4 bench_stage.py --pp 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import bench_ddp_transformer as bench
+import check_topology
+import idr_torch
+from bench_ddp_transformer import RunError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = bench.base_parser(__doc__)
+    p.add_argument("--pp", type=int, default=2, help="tasks per pipeline (pipelines = world size / pp)")
+    p.add_argument("--schedule", choices=tuple(check_topology.SCHEDULES), default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=2,
+                   help=f"stages per task for {' and '.join(check_topology.MULTI_STAGE)}")
+    return p.parse_args(argv)
+
+
+def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
+    """A GPU per task; check_topology's verdict on the pipelines and the batch, before any process group."""
+    findings = check_topology.Findings()
+    plan = bench.task_plan(cuda, cfg.nlayers, 1, findings)
+    training = check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
+                                       layout="stage", pp=cfg.pp, schedule=cfg.schedule,
+                                       virtual_stages=cfg.virtual_stages)
+    launch = idr_torch.current()
+    parts = check_topology.check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, training,
+                                       findings, cpu=not cuda)
+    check_topology.check_training(parts, training, findings, cpu=not cuda)
+    bench.verdict(cfg, findings)
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    bench.resolve(cfg, cuda)
+    plan = make_plan(cfg, cuda)
+    return bench.run(cfg, cuda, "pipelining", lambda: Stages(cfg, plan, cuda))
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """The stages a rank holds: one, or `virtual` of them looped (r, r+pp, r+2pp, ...)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+class Stages:
+    """Beyond the page: one task per GPU, torch.distributed.pipelining (PipelineStage + a schedule) across the
+    `pp` tasks of a pipeline, DDP across the dp pipelines over each stage's group: a 2-D mesh (dp, pp) as in
+    torchtitan. Consecutive ranks form a pipeline, so its stages stay on one node when tasks per node allow."""
+    name = "stage"
+    engine = "pipelining"
+    equal_batches = True  # the schedules want every batch the same size
+
+    def __init__(self, cfg: argparse.Namespace, plan: check_topology.TaskPlan, cuda: bool) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        self.cfg, self.plan = cfg, plan
+        self.pp, self.virtual = cfg.pp, check_topology.stages_per_rank(cfg.schedule, cfg.virtual_stages)
+        self.dp_size = idr_torch.size // self.pp
+        self.nb_part = self.pp * self.virtual  # stages of one pipeline = parts of one replica
+        self.mesh = init_device_mesh("cuda" if cuda else "cpu", (self.dp_size, self.pp), mesh_dim_names=("dp", "pp"))
+        self.pp_rank, self.dp_rank = self.mesh["pp"].get_local_rank(), self.mesh["dp"].get_local_rank()
+        self.device = torch.device(plan.device(0))
+        if cuda:
+            torch.cuda.set_device(self.device)
+        self.ids = stage_ids(self.pp_rank, self.pp, self.virtual)
+        self.first_holder, self.last_holder = 0 in self.ids, self.nb_part - 1 in self.ids
+        self.stats_device = self.device
+        # Build the whole replica on the CPU with the replica layout's seed and order, keep our stages: the same
+        # initial weights as bench_ddp_transformer.py, and the same state_dict keys.
+        torch.manual_seed(cfg.seed)
+        cpu_plan = check_topology.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, self.nb_part)
+        module_list = bench.build_module_list(cfg, cpu_plan)
+        self.param_counts = [len(list(m.parameters())) for m in module_list]
+        self.total_params = sum(p.numel() for m in module_list for p in m.parameters())
+        self.modules = {s: module_list[s].to(self.device) for s in self.ids}
+        del module_list
+        self.optimizers = {s: torch.optim.AdamW(m.parameters(), lr=cfg.lr) for s, m in self.modules.items()}
+        self.schedule = None
+
+    def describe(self) -> str:
+        contents = check_topology.part_contents(self.cfg.nlayers, self.nb_part)
+        return (f"{self.dp_size} pipeline(s) x pp {self.pp} ({self.virtual} stage(s) per task), schedule "
+                f"{self.cfg.schedule}; rank 0 holds " + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
+                + f" on {self.device}")
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        pieces = split_optimizer_state(optimizer_state, self.param_counts)
+        for s, m in self.modules.items():
+            prefix = f"{s}."
+            m.load_state_dict({k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)})
+            self.optimizers[s].load_state_dict(pieces[s])
+
+    def start(self) -> None:
+        from torch.distributed import pipelining
+        dp_group, pp_group = self.mesh["dp"].get_group(), self.mesh["pp"].get_group()
+        # The schedule runs one backward per micro-batch (no_sync on all but the last). DDP's first-iteration
+        # bucket rebuild then counts every parameter once per micro-batch and fails an internal assert
+        # (torch 2.13); static_graph=True runs but leaves the replicas apart (seen with the fingerprint check).
+        # find_unused_parameters=True skips that rebuild: one more graph traversal per backward, replicas equal.
+        self.ddp = {s: DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=True)
+                    for s, m in self.modules.items()}
+        stages = [pipelining.PipelineStage(self.ddp[s], s, self.nb_part, self.device, group=pp_group)
+                  for s in self.ids]
+        cls = getattr(pipelining, check_topology.SCHEDULES[self.cfg.schedule], None)
+        if cls is None:
+            raise RunError(f"--schedule {self.cfg.schedule}: this torch ({torch.__version__}) has no "
+                           f"{check_topology.SCHEDULES[self.cfg.schedule]}; use gpipe or 1f1b")
+        try:
+            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=F.cross_entropy)
+                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks,
+                                                          loss_fn=F.cross_entropy))
+        except ValueError as exc:
+            raise RunError(f"--schedule {self.cfg.schedule} with --chunks {self.cfg.chunks} and --pp {self.pp}: "
+                           f"{exc}") from None
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor, run) -> torch.Tensor | None:
+        args = (x.to(self.device, non_blocking=True),) if self.first_holder else ()
+        target = y.to(self.device, non_blocking=True) if self.last_holder else None
+        return run(*args, target=target, losses=self._losses) if self.last_holder else run(*args)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        self._losses: list[torch.Tensor] = []
+        out = self._run(x, y, self.schedule.step)
+        for opt in self.optimizers.values():
+            opt.step()
+        if not self.last_holder:  # inputs go to the first stage only; loss and accuracy live on the last
+            return torch.zeros(3, device=self.device)
+        y = y.to(self.device, non_blocking=True)
+        loss = torch.stack([l.detach() for l in self._losses]).mean()
+        return torch.stack([loss * len(y), (out.detach().argmax(1) == y).sum(), torch.tensor(len(y), device=self.device)])
+
+    @torch.no_grad()
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for m in self.modules.values():
+            m.eval()
+        self._losses = []
+        out = self._run(x, y, self.schedule.eval)
+        for m in self.modules.values():
+            m.train()
+        if not self.last_holder:
+            return torch.zeros(2, device=self.device)
+        y = y.to(self.device, non_blocking=True)
+        return torch.stack([(out.argmax(1) == y).sum(), torch.tensor(len(y), device=self.device)])
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def peak_memory_gb(self) -> float:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+
+    def state(self) -> tuple[dict, dict]:
+        """Consolidated on every rank (a collective): the first pipeline's stages, under the replica layout's
+        keys, so a checkpoint moves between layouts."""
+        mine = {s: ({k: v.cpu() for k, v in m.state_dict().items()}, self.optimizers[s].state_dict())
+                for s, m in self.modules.items()} if self.dp_rank == 0 else {}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        by_stage = {s: v for d in everyone for s, v in d.items()}
+        model = {f"{s}.{k}": v for s in sorted(by_stage) for k, v in by_stage[s][0].items()}
+        return model, merge_optimizer_states([by_stage[s][1] for s in sorted(by_stage)])
+
+    def divergence(self) -> float:
+        fp = bench.fingerprint([self.modules[s] for s in self.ids]).to(self.device)
+        return bench.divergence(fp, self.mesh["dp"].get_group(), self.dp_size)
+
+    def placement(self, launch: idr_torch.Launch) -> dict:
+        return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "stages": self.ids,
+                "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "nb_part": 1, "devices": [str(self.device)],
+                "gpu_ids": self.plan.gpu_ids}
+
+    def record(self) -> dict:
+        return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": self.pp,
+                "schedule": self.cfg.schedule, "gpus": idr_torch.size}
+
+    def close(self) -> None:
+        self.schedule = None
+
+
+
+def split_optimizer_state(state: dict, counts: list[int]) -> list[dict]:
+    """A whole-model AdamW state (parameters numbered in module order) cut into consecutive pieces of
+    `counts` parameters, each renumbered from 0: one per pipeline stage."""
+    pieces, start = [], 0
+    for n in counts:
+        group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        pieces.append({"state": {i - start: v for i, v in state["state"].items() if start <= i < start + n},
+                       "param_groups": [dict(group, params=list(range(n)))]})
+        start += n
+    return pieces
+
+
+def merge_optimizer_states(pieces: list[dict]) -> dict:
+    """The inverse of split_optimizer_state."""
+    merged, start = {"state": {}, "param_groups": []}, 0
+    for piece in pieces:
+        merged["state"].update({i + start: v for i, v in piece["state"].items()})
+        start += len(piece["param_groups"][0]["params"])
+    group = {k: v for k, v in pieces[0]["param_groups"][0].items() if k != "params"}
+    merged["param_groups"] = [dict(group, params=list(range(start)))]
+    return merged
+
+
+
+if __name__ == "__main__":
+    bench.cli(main, "bench_stage")
