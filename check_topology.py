@@ -19,6 +19,7 @@ No torch import here: checking a file must stay well under a second on a login n
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -92,8 +93,92 @@ class Findings(list):
         return [f for f in self if f.level == "error"]
 
 
+# Every finding the checker can give, with its level: `--json` carries these codes, and README.md lists exactly
+# this table (tests/test_check_topology.py compares the three: this table, the code, the README).
+CATCHES = {
+    # reading the script as sbatch 22.05 does
+    "no-shebang": ("error", "the first line is not #! and an interpreter (sbatch refuses the file)"),
+    "dos-line-breaks": ("error", "\\r\\n line ends (sbatch refuses the file)"),
+    "unknown-option": ("error", "an option sbatch or srun does not know, with a did-you-mean"),
+    "ambiguous-option": ("error", "an abbreviation that matches several options (getopt refuses it)"),
+    "option-prefix": ("warning", "an unambiguous abbreviation, which getopt accepts: write it in full"),
+    "stray-token": ("error", "a word in a #SBATCH line that is not an option (sbatch refuses the file)"),
+    "bad-directive": ("error", "a #SBATCH line that cannot be parsed (unbalanced quotes)"),
+    "bad-value": ("error", "a count, GPU request or binding that is not valid, e.g. -N=2"),
+    "bad-command": ("error", "a trainer line that cannot be parsed"),
+    "variable-in-directive": ("error", "$VARIABLES in #SBATCH lines, which sbatch does not expand"),
+    "ignored-directive": ("warning", "a directive sbatch ignores: indented, lower case, '# SBATCH', after the first command"),
+    "pbs-directive": ("error", "#PBS / #BSUB lines, which sbatch also reads, without --ignore-pbs"),
+    "hetjob": ("warning", "a heterogeneous job, whose components are checked as one"),
+    "node-range": ("warning", "--nodes=MIN-MAX: the plan assumes MIN"),
+    "no-trainer-line": ("warning", "no bench_ddp_transformer.py line: the defaults are checked"),
+    "unchecked-argument": ("warning", "a trainer argument given as a shell variable"),
+    # tasks and their placement
+    "trainer-without-srun": ("error", "a trainer line without srun in a job of several tasks or nodes (one process runs)"),
+    "nodes-missing": ("warning", "--ntasks without --nodes: Slurm picks the node count"),
+    "ntasks-per-node-missing": ("error/warning", "--ntasks-per-node missing: an error when several nodes may pack unevenly"),
+    "ntasks-mismatch": ("error", "--ntasks above nodes x --ntasks-per-node (refused), or below it and placed unevenly"),
+    "ntasks-per-node-max": ("warning", "--ntasks below nodes x --ntasks-per-node but even: SLURM_NTASKS_PER_NODE misleads"),
+    "ntasks-below-nodes": ("error", "fewer tasks than nodes"),
+    "uneven-tasks-per-node": ("error", "tasks per node differ, so nb_part differs between nodes"),
+    "step-nodes": ("error", "srun -N above the job's nodes"),
+    "step-too-many-tasks": ("error", "srun -n above what the allocation holds (srun refuses the step)"),
+    "srun-ntasks-per-node-ignored": ("warning", "srun --ntasks-per-node that srun ignores (it doesn't match -n)"),
+    "srun-ntasks-per-node-conflict": ("error", "srun --ntasks-per-node above what the nodes hold (placed unevenly)"),
+    "srun-gpu-option": ("warning", "srun --gres/--gpus* on the trainer's line, not modelled"),
+    # GPUs
+    "no-gpus": ("error", "no GPU requested"),
+    "gpu-request-conflict": ("error", "--gres=gpu:N with a --gpus-per-node, --gpus or --gpus-per-task that disagrees"),
+    "gpus-total-multinode": ("error", "--gpus=N (a total) over several nodes: no even split is promised"),
+    "gpus-exceed-node": ("error", "more GPUs per node than the node type has"),
+    "gpus-not-divisible": ("error", "GPUs per node not divisible by tasks per node"),
+    "more-tasks-than-gpus": ("error", "more tasks per node than GPUs: nb_part = 0"),
+    "gpu-index-past-visible": ("error", "a task would use a GPU index past what it sees (the first such index)"),
+    "gpu-shared": ("error", "two tasks of a node on one GPU"),
+    "gpus-idle": ("warning", "GPUs nobody uses (how many, which)"),
+    "gpus-per-task-cgroup": ("warning", "--gpus-per-task: per-task GPU cgroups hide NVLink from NCCL"),
+    "gpu-bind-mask": ("warning", "--gpu-bind=mask_gpu, not modelled"),
+    "gpu-bind-closest": ("warning", "--gpu-bind=closest, which depends on the node"),
+    # cores, time, account, modules (Jean Zay)
+    "cpus-per-task-missing": ("warning", "--cpus-per-task missing (Jean Zay grants memory per core)"),
+    "cpus-per-task-small": ("warning", "--cpus-per-task below the node's cores per GPU x GPUs per task"),
+    "cpus-exceed-node": ("error", "tasks x --cpus-per-task above the node's cores"),
+    "hint-missing": ("warning", "--hint=nomultithread missing"),
+    "time-missing": ("warning", "--time missing: 10 minutes on Jean Zay's GPU partitions"),
+    "bad-time": ("error", "a --time Slurm does not read"),
+    "time-over-qos": ("error", "--time above the QoS limit (dev 2 h, t3 20 h, t4 100 h)"),
+    "account-mismatch": ("error", "an account suffix (@v100, @a100, @h100) that does not match the nodes asked for"),
+    "arch-h100-missing": ("error", "-C h100 without module load arch/h100 before pytorch-gpu"),
+    "engine-unavailable": ("error", "--engine torch-pipe with a pytorch-gpu/py3/2.4+ module"),
+    # memory (the section *Will it fit?*)
+    "does-not-fit": ("error", "a part's estimated peak memory above the GPU's"),
+    "memory-tight": ("warning", "a part's estimated peak memory close to the GPU's"),
+    "bf16-on-v100": ("error", "--precision bf16 on V100 GPUs, which have no bf16"),
+    # the model and the pipeline
+    "nlayers-below-nb-part": ("error", "fewer layers than GPUs per task"),
+    "nlayers-not-multiple": ("warning", "layers not a multiple of GPUs per task"),
+    "chunks-above-batch": ("error", "more chunks than the batch per replica"),
+    "chunks-not-dividing-batch": ("error", "chunks not dividing the batch per replica"),
+    "pipeline-bubble": ("warning", "chunks < 4 x nb_part: the bubble fraction and the chunks that bring it under 20 %"),
+    "bad-engine": ("error", "an --engine the trainer does not have"),
+    "bad-layout": ("error", "a --layout the trainer does not have"),
+    "bad-schedule": ("error", "a --schedule the stage layout does not have"),
+    "pp-too-small": ("error", "stage layout: --pp below 2"),
+    "pp-not-dividing-world": ("error", "stage layout: --pp not dividing the tasks"),
+    "pipeline-spans-nodes": ("warning", "stage layout: pipelines that cross nodes"),
+    "chunks-below-stages": ("error", "stage layout: 1F1B with fewer chunks than stages"),
+    "chunks-not-rounds": ("error", "stage layout: interleaved chunks not a multiple of the rounds"),
+    # inside a running step (srun python check_topology.py)
+    "task-missing": ("error", "a task that never reported to task 0"),
+    "affinity-small": ("warning", "a task may run on fewer CPUs than --cpus-per-task"),
+    "no-gpu-visible": ("warning", "a task that sees no GPU"),
+}
+
+
 def _choices(values: Iterable[int]) -> str:
     values = sorted(set(values))
+    if not values:
+        return "none"
     return ", ".join(map(str, values[:-1])) + (" or " if len(values) > 1 else "") + str(values[-1])
 
 
@@ -204,9 +289,12 @@ def plan_task(rank: int, node: int, local_rank: int, tasks_on_node: int, visible
                        f"{len(visible)} // {tasks_on_node} = 0; use --ntasks-per-node <= {len(visible)}")
         return TaskPlan(rank, node, local_rank, tasks_on_node, 0, [], [], bound, nlayers)
     devices = list(range(first, first + n))
-    if devices[-1] >= len(visible):
+    past = [d for d in devices if d >= len(visible)]
+    if past:
         findings.error("gpu-index-past-visible",
-                       f"{where} would use GPU index {devices[-1]} but sees only {len(visible)} GPU(s) "
+                       f"{where} would use GPU index {past[0]}"
+                       + (f" (and {len(past) - 1} more)" if len(past) > 1 else "")
+                       + f" but sees only {len(visible)} GPU(s), indices 0-{len(visible) - 1} "
                        f"(CUDA_VISIBLE_DEVICES={','.join(visible)}); "
                        + (f"with per-task binding use --nb-part <= {len(visible)}" if bound
                           else f"use --nb-part <= {len(visible) // tasks_on_node}"))
@@ -236,6 +324,19 @@ class Job:
     gpu_mem: float | None = None  # --gpu-mem: GiB per GPU, given by the user
     gpu_mem_seen: float | None = None  # GiB per GPU as nvidia-smi shows it inside the allocation
     source: str = "command line"
+    gres_gpus: int | None = None  # --gres=gpu:N (GPUs per node), kept apart from --gpus-per-node to compare them
+    account: str | None = None
+    qos: str | None = None
+    distribution: str | None = None
+    ignore_pbs: bool = False
+    modules: list[str] = field(default_factory=list)  # every `module load` argument, in order
+    srun: bool | None = None  # the trainer's line starts with srun (None: no trainer line)
+    launcher: str | None = None  # what comes before the trainer's script on its line
+    trainer: str = "bench_ddp_transformer.py"  # the script on it
+    step_nodes: int | None = None  # srun's own -N / -n / --ntasks-per-node on the trainer's line
+    step_ntasks: int | None = None
+    step_ntasks_per_node: int | None = None
+    placement: str = "exact"  # "possible": Slurm decides by free cores; the plan shows one placement it may make
 
 
 @dataclass
@@ -286,52 +387,133 @@ def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
     return everything
 
 
-def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
-    """Tasks on each node, as Slurm will place them, with findings for requests that make it uneven."""
-    if job.tasks_per_node:
-        return list(job.tasks_per_node)
+def node_cap(job: Job) -> int | None:
+    """Tasks of --cpus-per-task cores that fit on one node, when the node type is known."""
+    ntype = node_type(job)
+    return NODE_TYPES[ntype]["cores"] // (job.cpus_per_task or 1) if ntype else None
+
+
+def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, int, bool]:
+    """What the allocation holds on each node, in tasks (None: Slurm decides by free cores), the job's task count
+    (SLURM_NTASKS, which srun inherits) and whether that count is set. Measured with slurm-wlm 22.05 on the test
+    cluster (tests/test_placement_slurm.py): --ntasks-per-node=k reserves k tasks' cores on every node and
+    --ntasks=n then runs n of them; without it -n 6 -N 3 got 4,1,1 and -n 6 -N 2 -c 10 got 4,2."""
+    n, k, cap = job.ntasks, job.ntasks_per_node, node_cap(job)
     nodes = job.nodes
     if nodes is None:
-        if job.ntasks and job.ntasks_per_node and job.ntasks % job.ntasks_per_node == 0:
-            nodes = job.ntasks // job.ntasks_per_node
+        if n and k:
+            nodes = -(-n // k)
+        elif n and not k and cap and n > cap:
+            nodes = -(-n // cap)
         else:
-            findings.warn("nodes-missing", "--nodes is not given: Slurm picks the node count; assuming 1 node; "
-                          "add --nodes=N")
             nodes = 1
-    if job.ntasks_per_node:
-        tpn = job.ntasks_per_node
-        if job.ntasks is not None and job.ntasks != nodes * tpn:
-            if job.ntasks > nodes * tpn:
-                findings.error("ntasks-mismatch",
-                               f"--ntasks={job.ntasks} exceeds --nodes={nodes} x --ntasks-per-node={tpn} = "
-                               f"{nodes * tpn}; set --ntasks={nodes * tpn} or drop --ntasks")
-                return [tpn] * nodes
-            placed = [max(1, min(tpn, job.ntasks - sum([tpn] * i))) for i in range(nodes)]
+        if n and not k:
+            findings.warn("nodes-missing", f"--nodes is not given: Slurm picks the node count for --ntasks={n}; "
+                          f"assuming {nodes} node(s); add --nodes={nodes}")
+        job.nodes = nodes
+    if k:
+        total = n if n is not None else nodes * k
+        if total > nodes * k:
             findings.error("ntasks-mismatch",
-                           f"--ntasks={job.ntasks} disagrees with --nodes={nodes} x --ntasks-per-node={tpn} = "
-                           f"{nodes * tpn}: --ntasks wins and Slurm places tasks unevenly "
-                           f"({','.join(map(str, placed))}); set --ntasks={nodes * tpn} or drop --ntasks")
-            return placed
-        return [tpn] * nodes
-    if job.ntasks is None:
-        findings.warn("ntasks-per-node-missing",
-                      "--ntasks-per-node is not given: Slurm runs 1 task per node (pure model parallel inside "
-                      "each node) and SLURM_NTASKS_PER_NODE does not exist for the page's code; add "
-                      "--ntasks-per-node=1 to say so")
-        return [1] * nodes
-    if nodes == 1:
-        findings.warn("ntasks-per-node-missing",
-                      f"--ntasks-per-node is not given: SLURM_NTASKS_PER_NODE will not exist for the page's code; "
-                      f"add --ntasks-per-node={job.ntasks}")
-        return [job.ntasks]
-    even = job.ntasks // nodes if job.ntasks % nodes == 0 else None
-    findings.error("ntasks-per-node-missing",
-                   f"--ntasks={job.ntasks} on --nodes={nodes} without --ntasks-per-node: Slurm packs tasks by free "
-                   f"cores (-n 6 -N 3 gave 4,1,1 on the test cluster), so nodes get different nb_part; "
-                   + (f"add --ntasks-per-node={even}" if even else
-                      f"choose --ntasks a multiple of {nodes} and add --ntasks-per-node"))
-    base, extra = divmod(job.ntasks, nodes)
-    return [base + (1 if i < extra else 0) for i in range(nodes)]
+                           f"--ntasks={total} exceeds --nodes={nodes} x --ntasks-per-node={k} = {nodes * k}: sbatch "
+                           "refuses it ('Requested node configuration is not available'); set "
+                           f"--ntasks={nodes * k} or drop --ntasks")
+            total = nodes * k
+        return [k] * nodes, total, True
+    if n is None:
+        return [1] * nodes, nodes, False  # one task per node; SLURM_NTASKS is not set
+    if n < nodes:
+        findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: every node needs a task; "
+                       f"use --nodes={n}")
+        job.nodes = n
+        return [1] * n, n, True
+    if nodes == 1 or n == nodes:
+        return [n // nodes] * nodes, n, True
+    if cap and n == nodes * cap:
+        return [cap] * nodes, n, True  # full nodes: no other packing fits
+    return None, n, True
+
+
+def spread(ntasks: int, caps: list[int]) -> list[int]:
+    """srun's default block distribution over the allocation: one task per node per round, a node taking no more
+    than it holds (srun -n 5 in 4(x3) gave 2,2,1; -n 4 in 2(x3) gave 2,1,1)."""
+    counts = [0] * len(caps)
+    while sum(counts) < min(ntasks, sum(caps)):
+        for i, c in enumerate(caps):
+            if counts[i] < c and sum(counts) < ntasks:
+                counts[i] += 1
+    return counts
+
+
+def packing(ntasks: int, nodes: int, cap: int | None) -> list[int]:
+    """One placement of free-core packing: the first nodes filled, one task left for each other node (what idle
+    nodes gave: -n 6 -N 3 -> 4,1,1; -n 9 -N 3 -> 7,1,1)."""
+    counts, left = [], ntasks
+    for i in range(nodes):
+        take = max(1, min(cap or ntasks, left - (nodes - i - 1)))
+        counts.append(take)
+        left -= take
+    return counts
+
+
+def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
+    """Tasks on each node of the trainer's step, as Slurm places them: the allocation's shape, then srun's
+    options on the trainer's line, which override it (and srun -n K alone inherits the job's nodes)."""
+    if job.tasks_per_node:  # inside an allocation: Slurm already placed them
+        return list(job.tasks_per_node)
+    caps, ntasks, ntasks_set = allocation_tasks(job, findings)
+    nodes = len(caps) if caps else job.nodes
+    if job.srun is False:  # the batch step runs the line once: SLURM_PROCID=0, no SLURM_STEP_ID (measured)
+        if ntasks > 1 or nodes > 1:
+            findings.error("trainer-without-srun",
+                           f"the trainer's line starts with '{job.launcher}', not srun: in a job of {ntasks} task(s) "
+                           f"on {nodes} node(s) the batch script runs it once, as 1 process on the first node, not "
+                           f"{ntasks}; start it with: srun python {job.trainer} ...")
+        return [1]
+    check_allocation_shape(job, caps, ntasks, findings)
+    k_step, m_step, j_step = job.step_ntasks, job.step_nodes, job.step_ntasks_per_node
+    if m_step and m_step > nodes:
+        findings.error("step-nodes", f"srun -N {m_step} but the job has {nodes} node(s): srun refuses the step; "
+                       f"use srun -N <= {nodes}")
+        m_step = nodes
+    if k_step is not None:
+        n_step, m_step = k_step, m_step or min(nodes, k_step)
+    elif ntasks_set:
+        n_step, m_step = ntasks, m_step or nodes
+    else:
+        m_step = m_step or nodes
+        n_step = m_step * (j_step or 1)
+    if j_step and n_step != m_step * j_step:
+        findings.warn("srun-ntasks-per-node-ignored",
+                      f"srun --ntasks-per-node={j_step} does not match {n_step} task(s) on {m_step} node(s): srun "
+                      "ignores it ('can't honor --ntasks-per-node', measured); drop it or use srun "
+                      f"-n {m_step * j_step}")
+        j_step = None
+    if caps is None:
+        if j_step and j_step > 1:
+            findings.error("srun-ntasks-per-node-conflict",
+                           f"srun --ntasks-per-node={j_step} in an allocation packed by free cores (some nodes may "
+                           f"hold 1 task): Slurm then overcommits unevenly (measured: 3,2,1 for -N3 -n6 and srun "
+                           f"--ntasks-per-node=2); request --ntasks-per-node={j_step} in #SBATCH")
+        elif n_step == m_step:
+            return [1] * m_step
+        job.placement = "possible"
+        return packing(n_step, m_step, node_cap(job))
+    caps = caps[:m_step]
+    if n_step > sum(caps):
+        findings.error("step-too-many-tasks",
+                       f"srun would start {n_step} task(s) on {m_step} node(s) whose allocation holds "
+                       f"{','.join(map(str, caps))} = {sum(caps)}: srun refuses the step ('More processors requested "
+                       f"than permitted', measured); use srun -n <= {sum(caps)}")
+        return caps
+    if j_step and any(c < j_step for c in caps):
+        findings.error("srun-ntasks-per-node-conflict",
+                       f"srun --ntasks-per-node={j_step} on nodes holding {','.join(map(str, caps))} task(s): Slurm "
+                       "then overcommits unevenly (measured: 3,2,1 for -N3 -n6 and srun --ntasks-per-node=2); "
+                       f"request --ntasks-per-node={j_step} in #SBATCH")
+        job.placement = "possible"
+        return packing(n_step, m_step, None)
+    return [j_step] * m_step if j_step else spread(n_step, caps)
 
 
 # ---- memory: will it fit? -------------------------------------------------------------------------------------
@@ -797,14 +979,188 @@ def check_cpus(job: Job, nb_part: int, tasks_per_node: list[int], findings: Find
                       "physical cores (Jean Zay's advice for GPU jobs is --hint=nomultithread)")
 
 
+def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings) -> None:
+    """The #SBATCH task counts: --ntasks-per-node missing, or a maximum because --ntasks asks fewer."""
+    n, k, nodes = job.ntasks, job.ntasks_per_node, job.nodes or 1
+    if k and n is not None and caps and n < nodes * k:
+        placed = spread(n, caps)
+        if len(set(placed)) > 1:
+            findings.error("ntasks-mismatch",
+                           f"--ntasks={n} with --nodes={nodes} x --ntasks-per-node={k} = {nodes * k}: "
+                           f"--ntasks-per-node is then a maximum and srun places {','.join(map(str, placed))} "
+                           f"(measured); set --ntasks={nodes * k} or drop --ntasks")
+        else:
+            findings.warn("ntasks-per-node-max",
+                          f"--ntasks={n} on {nodes} node(s) runs {placed[0]} task(s) per node, below "
+                          f"--ntasks-per-node={k} (a maximum when --ntasks is given): SLURM_NTASKS_PER_NODE={k} then "
+                          f"misleads the page's code; set --ntasks-per-node={placed[0]}")
+    if k:
+        return
+    if n is None or n == nodes:
+        findings.warn("ntasks-per-node-missing",
+                      "--ntasks-per-node is not given: Slurm runs 1 task per node (pure model parallel inside "
+                      "each node) and SLURM_NTASKS_PER_NODE does not exist for the page's code; add "
+                      "--ntasks-per-node=1 to say so")
+    elif nodes == 1 or caps:
+        findings.warn("ntasks-per-node-missing",
+                      f"--ntasks-per-node is not given: SLURM_NTASKS_PER_NODE will not exist for the page's code; "
+                      f"add --ntasks-per-node={n // nodes}")
+    elif n % nodes:
+        findings.error("ntasks-per-node-missing",
+                       f"--ntasks={n} on --nodes={nodes} cannot be even ({n} tasks don't split over {nodes} nodes) "
+                       f"and, without --ntasks-per-node, Slurm packs them by free cores (-n 6 -N 3 gave 4,1,1 on the "
+                       f"test cluster): nodes get different nb_part; use --ntasks a multiple of {nodes} with "
+                       f"--ntasks-per-node")
+    else:
+        findings.error("ntasks-per-node-missing",
+                       f"--ntasks={n} on --nodes={nodes} without --ntasks-per-node may pack unevenly: Slurm packs "
+                       f"tasks by free cores (-n 6 -N 3 gave 4,1,1 on the test cluster), so nodes can get "
+                       f"different nb_part; add --ntasks-per-node={n // nodes}")
+
+
+def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) -> int | None:
+    """GPUs per node from --gres, --gpus-per-node, --gpus-per-task and --gpus, with the pairs Slurm refuses or
+    resolves against the user. Measured on slurm-wlm 22.05 (tests/test_sbatch_rules.py): --gres=gpu:2 with
+    --gpus-per-node=4 is accepted with the job keeping gpu:2 and every srun step then fails; --gres with a
+    --gpus-per-task that doesn't multiply to it, or a --gpus that isn't --gres x nodes, is refused at submission.
+    SchedMD's testsuite (testsuite/expect/test39.4) expects the same refusals from later releases."""
+    gres, gpn, gpt, total = job.gres_gpus, job.gpus_per_node, job.gpus_per_task, job.gpus_total
+    nodes, busiest = len(tasks_per_node), max(tasks_per_node)
+    if gres and gpn and gres != gpn:
+        findings.error("gpu-request-conflict",
+                       f"--gres=gpu:{gres} and --gpus-per-node={gpn} both set the GPUs per node: Slurm 22.05 accepts "
+                       f"the job with --gres's {gres} and every srun step then fails ('Step requested "
+                       f"gres_per_node=gpu:{gpn} is more than the job's gres_per_node=gpu:{gres}', measured in "
+                       f"either order); keep one of them")
+    per_node = gres or gpn
+    if per_node and gpt and gpt * busiest != per_node:
+        findings.error("gpu-request-conflict",
+                       f"--gpus-per-task={gpt} x {busiest} task(s) per node = {gpt * busiest} GPUs disagrees with "
+                       f"{'--gres=gpu:' if gres else '--gpus-per-node='}{per_node}: sbatch refuses the job (22.05: "
+                       f"'Requested node configuration is not available'); keep one of them")
+    if per_node and total and total != per_node * nodes:
+        findings.error("gpu-request-conflict",
+                       f"--gpus={total} disagrees with {'--gres=gpu:' if gres else '--gpus-per-node='}{per_node} "
+                       f"x {nodes} node(s) = {per_node * nodes}: sbatch refuses the job ('--gpus is not multiple of "
+                       f"--gres=gpu/--gpus-per-node', measured for --gres=gpu:2 --gpus=3); drop --gpus")
+    if per_node is None and gpt:
+        per_node = gpt * busiest
+    if per_node is None and total:
+        if nodes > 1:
+            even = total // nodes if total % nodes == 0 else None
+            findings.error("gpus-total-multinode",
+                           f"--gpus={total} is a total for {nodes} nodes: Slurm does not promise an even split "
+                           f"(measured: --gpus=6 on 2 nodes gave 4 and 2 GPUs), so nb_part can differ from node to "
+                           f"node; " + (f"use --gpus-per-node={even} or --gres=gpu:{even}" if even else
+                                        f"use --gres=gpu:N with N x {nodes} GPUs in all"))
+            per_node = max(1, total // nodes)
+        else:
+            per_node = total
+    return per_node
+
+
+def check_bubble(nb_part: int, t: Training, findings: Findings) -> None:
+    """GPipe's bubble: with K parts and M micro-batches each GPU idles (K-1)/(M+K-1) of a step; GPipe's paper
+    (Huang et al. 2019, sec. 2.3) finds it negligible when M >= 4 x K."""
+    chunks = t.chunks if t.chunks is not None else GPU_DEFAULTS["chunks"]
+    batch = t.batch_size if t.batch_size is not None else GPU_DEFAULTS["batch_size"]
+    if nb_part < 2 or chunks < 1 or chunks >= 4 * nb_part:
+        return
+    bubble = (nb_part - 1) / (chunks + nb_part - 1)
+    need = 4 * (nb_part - 1) + 1  # the fewest chunks that bring the bubble under 20 %
+    fits = [d for d in divisors(batch) if d >= need] if batch >= 1 else []
+    fix = (f"--chunks {fits[0]} ({(nb_part - 1) / (fits[0] + nb_part - 1):.0%})" if fits else
+           f"--chunks {need} or more, with a batch size it divides")
+    findings.warn("pipeline-bubble",
+                  f"--chunks={chunks} is below 4 x nb_part = {4 * nb_part}: the pipeline bubble keeps each GPU idle "
+                  f"(nb_part-1)/(chunks+nb_part-1) = {nb_part - 1}/{chunks + nb_part - 1} = {bubble:.0%} of every "
+                  f"step; {fix} brings it under 20 %")
+
+
+def check_gpu_cgroups(job: Job, tasks_per_node: list[int], gpn: int | None, findings: Findings) -> None:
+    if job.gpus_per_task and max(tasks_per_node) > 1:
+        findings.warn("gpus-per-task-cgroup",
+                      f"--gpus-per-task={job.gpus_per_task}: each task's GPUs sit in their own device cgroup, so "
+                      f"NCCL in one task no longer sees the node's other {(gpn or 0) - job.gpus_per_task} GPU(s) and "
+                      f"cannot detect NVLink between the {max(tasks_per_node)} tasks of a node (it falls back to "
+                      f"slower paths; NVIDIA/nccl issue 1066); use the page's form: --gres=gpu:{gpn} "
+                      f"--ntasks-per-node={max(tasks_per_node)}")
+
+
+# Jean Zay's time limits. IDRIS, "GPU Partitions" (http://www.idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
+# "By default, the execution time is 10 minutes and cannot exceed 100 hours (... see the QoS)". The QoS hours
+# (qos_gpu-dev 2 h, qos_gpu-t3 20 h and the default, qos_gpu-t4 100 h; A100 without t4) are from the same page's
+# QoS table as DESIGN.md records it; the QoS table itself was not reachable from this session.
+DEFAULT_TIME_MINUTES = 10
+QOS_HOURS = {"dev": 2, "t3": 20, "t4": 100}
+QOS_WITHOUT_T4 = {"a100"}
+ACCOUNT_ARCH = {"v100-4": "v100", "v100-8": "v100", "a100": "a100", "h100": "h100"}
+ARCH_REQUEST = {"v100": "-C v100-32g (or no -C: gpu_p13)", "a100": "-C a100", "h100": "-C h100"}
+
+
+def time_minutes(value: str) -> float | None:
+    """A Slurm time (man sbatch: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+    days-hours:minutes:seconds) in minutes; None when it is none of those."""
+    v = value.strip()
+    if v.upper() in ("UNLIMITED", "INFINITE"):
+        return float("inf")
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", v)
+    if not m:
+        return None
+    d, a, b, c = m.groups()
+    if d is not None:
+        return int(d) * 1440 + int(a) * 60 + int(b or 0) + int(c or 0) / 60
+    if c is not None:
+        return int(a) * 60 + int(b) + int(c) / 60
+    return int(a) + int(b or 0) / 60
+
+
 def check_time(job: Job, findings: Findings) -> None:
     if job.time == "allocated":  # inside the allocation the limit is already granted
         return
     if job.time is None:
-        findings.warn("time-missing", "--time is not given: the partition/QoS default limit applies; "
-                      "add --time=HH:MM:SS, e.g. --time=02:00:00")
-    elif not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+|UNLIMITED|INFINITE", job.time.strip(), re.I):
+        findings.warn("time-missing", f"--time is not given: the partition's default applies, {DEFAULT_TIME_MINUTES} "
+                      "minutes on Jean Zay's GPU partitions; add --time=HH:MM:SS, e.g. --time=02:00:00")
+        return
+    minutes = time_minutes(job.time)
+    if minutes is None:
         findings.error("bad-time", f"--time={job.time!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
+        return
+    m = re.search(r"(dev|t3|t4)$", (job.qos or "t3").lower())
+    if not m or node_type(job) is None and job.partition is not None:
+        return  # a QoS or partition that isn't Jean Zay's
+    qos, arch = m.group(1), ACCOUNT_ARCH.get(node_type(job) or "v100-4")
+    limit = QOS_HOURS[qos]
+    if minutes > limit * 60:
+        longer = [q for q, h in QOS_HOURS.items() if h * 60 >= minutes and not (q == "t4" and arch in QOS_WITHOUT_T4)]
+        name = job.qos or "the default QoS (t3)"
+        findings.error("time-over-qos",
+                       f"--time={job.time} ({minutes / 60:.1f} h) is over the {limit} h of {name}: Slurm won't run "
+                       f"the job; " + (f"add --qos=qos_gpu{'' if arch == 'v100' else '_' + arch}-{longer[0]}"
+                                       f" (up to {QOS_HOURS[longer[0]]} h)" if longer else
+                                       f"use --time <= {max(h for q, h in QOS_HOURS.items() if not (q == 't4' and arch in QOS_WITHOUT_T4))}:00:00"
+                                       " and resume from a checkpoint"))
+
+
+def check_jean_zay(job: Job, findings: Findings) -> None:
+    """The account's hours and the H100 modules. IDRIS, "GPU Partitions": a project spends V100, A100 or H100
+    hours through <project>@v100, @a100 or @h100; the H100 nodes' software stack is loaded with
+    `module load arch/h100` before the other modules (IDRIS's H100 examples and users' Jean Zay scripts)."""
+    arch = ACCOUNT_ARCH.get(node_type(job) or "v100-4")
+    suffix = (job.account or "").rpartition("@")[2].lower() if "@" in (job.account or "") else None
+    if suffix in ARCH_REQUEST and arch and suffix != arch:
+        findings.error("account-mismatch",
+                       f"--account={job.account} spends {suffix.upper()} hours but the job asks for {arch.upper()} "
+                       f"nodes ({'-C ' + job.constraint if job.constraint else '-p ' + job.partition if job.partition else 'no -C: the default gpu_p13'}); "
+                       f"use --account=<project>@{arch}, or {ARCH_REQUEST[suffix]} for the nodes of that account")
+    if node_type(job) == "h100" and job.torch_module:
+        mods = job.modules
+        before = mods[:mods.index(job.torch_module)] if job.torch_module in mods else mods
+        if not any(m.startswith("arch/h100") for m in before):
+            findings.error("arch-h100-missing",
+                           f"-C h100 with 'module load {job.torch_module}' but no 'module load arch/h100' before it: "
+                           "on Jean Zay the H100 nodes need the modules built for them; add 'module load arch/h100' "
+                           "before the pytorch-gpu line")
 
 
 @dataclass
@@ -868,28 +1224,18 @@ class Report:
         return "\n".join(lines)
 
 
-def check_job(job: Job, training: Training) -> Report:
-    """Plan every task of a request and check the whole."""
-    findings = Findings()
-    tasks_per_node = job_tasks_per_node(job, findings)
-    gpn = job.gpus_per_node
-    if gpn is None and job.gpus_per_task:
-        gpn = job.gpus_per_task * max(tasks_per_node)
-    if gpn is None and job.gpus_total:
-        if job.gpus_total % len(tasks_per_node):
-            findings.error("gpus-uneven", f"--gpus={job.gpus_total} does not split evenly over {len(tasks_per_node)} "
-                           f"nodes; use --gpus-per-node")
-        gpn = job.gpus_total // len(tasks_per_node)
-    job.gpus_per_node = gpn
+def check_gpus_fit(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
+    """A GPU request at all, one the node can hold, tasks per node that agree, GPUs that divide among them."""
     ntype = node_type(job)
     if not gpn:
-        findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) or --gpus-per-node=N")
+        findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) or "
+                       "--gpus-per-node=N")
     elif ntype and gpn > NODE_TYPES[ntype]["gpus"]:
         findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {NODE_TYPES[ntype]['label']} have "
                        f"{NODE_TYPES[ntype]['gpus']}; use --gres=gpu:{NODE_TYPES[ntype]['gpus']} or another "
                        f"partition (-p gpu_p2 / -C a100 for 8 GPUs)")
-
-    if len(set(tasks_per_node)) > 1:
+    reported = any(f.level == "error" and f.code in ("ntasks-mismatch", "ntasks-per-node-missing") for f in findings)
+    if len(set(tasks_per_node)) > 1 and job.placement == "exact" and not reported:
         nbs = {n: (gpn or 0) // n for n in tasks_per_node}
         findings.error("uneven-tasks-per-node",
                        f"tasks per node differ ({','.join(map(str, tasks_per_node))}): nodes get nb_part "
@@ -897,31 +1243,42 @@ def check_job(job: Job, training: Training) -> Report:
                        f"lacks SLURM_NTASKS_PER_NODE); use --nodes={len(tasks_per_node)} with the same "
                        f"--ntasks-per-node on every node")
 
+
+def check_divisible(job: Job, gpn: int | None, tasks_per_node: list[int], training: Training,
+                    findings: Findings) -> None:
+    bound = bool(job.gpus_per_task) or re.sub(r"^verbose,", "", (job.gpu_bind or "none").lower()) != "none"
+    if not gpn or bound or training.nb_part:
+        return
+    for tasks in sorted(set(tasks_per_node)):
+        if tasks <= gpn and gpn % tasks:
+            nb = gpn // tasks
+            idle = list(range(nb * tasks, gpn))
+            findings.error("gpus-not-divisible",
+                           f"{gpn} GPUs per node are not divisible by {tasks} tasks per node: nb_part = "
+                           f"{gpn} // {tasks} = {nb} and {len(idle)} GPU(s) ({','.join(map(str, idle))}) stay "
+                           f"idle; use --ntasks-per-node in {_choices(divisors(gpn))}")
+            return
+
+
+def check_job(job: Job, training: Training) -> Report:
+    """Plan every task of a request and check the whole."""
+    findings = Findings()
+    tasks_per_node = job_tasks_per_node(job, findings)
+    gpn = step_gpus_per_node(job, tasks_per_node, findings)
+    job.gpus_per_node = gpn
+    if training.nlayers is None:  # the trainer's own default for what it will run on
+        training.nlayers = (GPU_DEFAULTS if gpn else CPU_DEFAULTS)["nlayers"]
+    check_gpus_fit(job, gpn, tasks_per_node, findings)
     stage = training.layout == "stage"
     if stage:
         training.nb_part = 1  # a task per GPU
-    bound = bool(job.gpus_per_task) or re.sub(r"^verbose,", "", (job.gpu_bind or "none").lower()) != "none"
-    if gpn and not bound and not training.nb_part:
-        for tasks in sorted(set(tasks_per_node)):
-            if tasks <= gpn and gpn % tasks:
-                nb = gpn // tasks
-                findings.error("gpus-not-divisible",
-                               f"{gpn} GPUs per node are not divisible by {tasks} tasks per node: nb_part = "
-                               f"{gpn} // {tasks} = {nb} and GPU(s) {','.join(map(str, range(nb * tasks, gpn)))} "
-                               f"stay idle; use --ntasks-per-node in {_choices(divisors(gpn))}")
-                break
-
+    check_divisible(job, gpn, tasks_per_node, training, findings)
     plans: list[TaskPlan] = []
-    rank = 0
     for node, tasks in enumerate(tasks_per_node):
         for local in range(tasks):
-            if not gpn:
-                visible: list[str] = []
-            else:
-                visible = gpu_view(job, local, tasks, gpn, findings)
-            plans.append(plan_task(rank, node, local, tasks, visible, gpn, training.nlayers or 0,
+            visible = gpu_view(job, local, tasks, gpn, findings) if gpn else []
+            plans.append(plan_task(len(plans), node, local, tasks, visible, gpn, training.nlayers,
                                    training.nb_part, findings))
-            rank += 1
     _dedupe(findings)
     report = Report(job, training, plans, findings)
     check_node_usage(report)
@@ -929,15 +1286,22 @@ def check_job(job: Job, training: Training) -> Report:
     if stage:
         check_training(check_stage(len(plans), tasks_per_node, gpn, training, findings), training, findings)
     elif nb_parts:
-        check_training(min(nb_parts), training, findings)
+        check_training(min(nb_parts), training, findings, cpu=not gpn)
+        if gpn:
+            check_bubble(min(nb_parts), training, findings)
         line = check_memory(job, training, min(nb_parts), len(plans), max(tasks_per_node), findings) if gpn else None
         report.notes += [line] if line else []
     if training.layout not in ("replica", "stage"):
         findings.error("bad-layout", f"--layout {training.layout!r} is not replica or stage")
     check_engine(job, training, findings)
+    check_gpu_cgroups(job, tasks_per_node, gpn, findings)
     check_cpus(job, min(nb_parts) if nb_parts else 1, tasks_per_node, findings)
     check_time(job, findings)
+    check_jean_zay(job, findings)
     note_page_indexing(report)
+    if job.placement == "possible":
+        report.notes.append(f"placement: Slurm decides by free cores; the table shows one placement it may make "
+                            f"({','.join(map(str, tasks_per_node))} task(s) per node)")
     return report
 
 
@@ -967,7 +1331,7 @@ def check_node_usage(report: Report) -> None:
             idle = [str(i) for i in range(gpn) if str(i) not in owners]
             if idle:
                 report.findings.warn("gpus-idle",
-                                     f"node {node}: GPU(s) {','.join(idle)} of {gpn} stay idle "
+                                     f"node {node}: {len(idle)} of {gpn} GPU(s) stay idle ({','.join(idle)}) "
                                      f"({len(plans)} task(s) x nb_part {plans[0].nb_part}); choose "
                                      f"--ntasks-per-node in {_choices(divisors(gpn))} without --nb-part")
                 if len(by_node) > 1 and all(len(v) == len(plans) for v in by_node.values()):
@@ -1006,45 +1370,130 @@ def _dedupe(findings: Findings) -> None:
 
 
 # ---- reading an sbatch file the way sbatch does -------------------------------------------------------------------
-FLAGS = {"--exclusive", "--requeue", "--no-requeue", "--hold", "-H", "--wait", "-W", "--overcommit", "-O",
-         "--oversubscribe", "-s", "--contiguous", "--spread-job", "--use-min-nodes", "--parsable", "--test-only",
-         "-Q", "--quiet", "-v", "--verbose", "--ignore-pbs", "--no-kill", "-k", "--get-user-env", "--reboot",
-         "--nvmps", "--exact", "--unbuffered", "-u", "--label", "-l", "--overlap", "--mpi-bind"}
+# The option tables of Slurm 22.05 (Debian bookworm's slurm-wlm): every option `man sbatch` / `man srun` list, with
+# r = takes a value, o = an optional value (only as --name=value), n = a flag; plus the undocumented aliases the real
+# commands accepted on the test cluster (sbatch/srun --tasks-per-node, srun --pack-group and --cpu_bind).
+# tests/test_check_topology.py compares these tables with the installed man pages. Later releases add options
+# (e.g. 23.02's --tres-per-task): a newer one used here is reported as unknown to 22.05.
+def _table(spec: str) -> dict[str, str]:
+    return dict(item.split(":") for item in spec.split())
 
 
-def parse_options(tokens: list[str], where: str, findings: Findings) -> list[tuple[str, str | None]]:
-    """Split sbatch/srun option tokens into (name, value) pairs; short names mapped to long ones."""
-    short = {"N": "nodes", "n": "ntasks", "c": "cpus-per-task", "G": "gpus", "C": "constraint", "t": "time",
-             "p": "partition", "A": "account", "J": "job-name", "o": "output", "e": "error", "q": "qos"}
+SBATCH_LONG = _table(
+    "account:r acctg-freq:r array:r batch:r bb:r bbf:r begin:r chdir:r cluster-constraint:r clusters:r comment:r "
+    "constraint:r container:r contiguous:n core-spec:r cores-per-socket:r cpu-freq:r cpus-per-gpu:r "
+    "cpus-per-task:r deadline:r delay-boot:r dependency:r distribution:r error:r exclude:r exclusive:o export:r "
+    "export-file:r extra-node-info:r get-user-env:o gid:r gpu-bind:r gpu-freq:r gpus:r gpus-per-node:r "
+    "gpus-per-socket:r gpus-per-task:r gres:r gres-flags:r help:n hint:r hold:n ignore-pbs:n input:r job-name:r "
+    "kill-on-invalid-dep:r licenses:r mail-type:r mail-user:r mcs-label:r mem:r mem-bind:r mem-per-cpu:r "
+    "mem-per-gpu:r mincpus:r network:r nice:o no-kill:o no-requeue:n nodefile:r nodelist:r nodes:r ntasks:r "
+    "ntasks-per-core:r ntasks-per-gpu:r ntasks-per-node:r ntasks-per-socket:r open-mode:r output:r overcommit:n "
+    "oversubscribe:n parsable:n partition:r power:r prefer:r priority:r profile:r propagate:o qos:r quiet:n "
+    "reboot:n requeue:n reservation:r signal:r sockets-per-node:r spread-job:n switches:r tasks-per-node:r "
+    "test-only:n thread-spec:r threads-per-core:r time:r time-min:r tmp:r uid:r usage:n use-min-nodes:n verbose:n "
+    "version:n wait:n wait-all-nodes:r wckey:r wrap:r")
+SRUN_LONG = _table(
+    "accel-bind:r account:r acctg-freq:r bb:r bbf:r bcast:o bcast-exclude:r begin:r chdir:r cluster-constraint:r "
+    "clusters:r comment:r compress:o constraint:r container:r contiguous:n core-spec:r cores-per-socket:r "
+    "cpu-bind:r cpu-freq:r cpu_bind:r cpus-per-gpu:r cpus-per-task:r deadline:r delay-boot:r dependency:r "
+    "disable-status:n distribution:r epilog:r error:r exact:n exclude:r exclusive:o export:r extra-node-info:r "
+    "gid:r gpu-bind:r gpu-freq:r gpus:r gpus-per-node:r gpus-per-socket:r gpus-per-task:r gres:r gres-flags:r "
+    "help:n het-group:r hint:r hold:n immediate:o input:r job-name:r jobid:r kill-on-bad-exit:o label:n "
+    "licenses:r mail-type:r mail-user:r mcs-label:r mem:r mem-bind:r mem-per-cpu:r mem-per-gpu:r mincpus:r mpi:r "
+    "msg-timeout:r multi-prog:n network:r nice:o no-allocate:n no-kill:o nodefile:r nodelist:r nodes:r ntasks:r "
+    "ntasks-per-core:r ntasks-per-gpu:r ntasks-per-node:r ntasks-per-socket:r open-mode:r output:r overcommit:n "
+    "overlap:n oversubscribe:n pack-group:r partition:r power:r prefer:r preserve-env:n priority:r profile:r "
+    "prolog:r propagate:o pty:o qos:r quiet:n quit-on-interrupt:n reboot:n relative:r reservation:r resv-ports:o "
+    "send-libs:o signal:r slurmd-debug:r sockets-per-node:r spread-job:n switches:r task-epilog:r task-prolog:r "
+    "tasks-per-node:r test-only:n thread-spec:r threads:r threads-per-core:r time:r time-min:r tmp:r uid:r "
+    "unbuffered:n usage:n use-min-nodes:n verbose:n version:n wait:r wckey:r x11:o")
+SBATCH_SHORT = dict(x.split("=") for x in (
+    "A=account B=extra-node-info C=constraint D=chdir F=nodefile G=gpus H=hold J=job-name L=licenses M=clusters "
+    "N=nodes O=overcommit Q=quiet S=core-spec V=version W=wait a=array b=begin c=cpus-per-task d=dependency "
+    "e=error h=help i=input k=no-kill m=distribution n=ntasks o=output p=partition q=qos s=oversubscribe t=time "
+    "v=verbose w=nodelist x=exclude").split())
+SRUN_SHORT = {k: v for k, v in SBATCH_SHORT.items() if k != "a"} | dict(  # srun has no -a, and more letters
+    E="preserve-env", I="immediate", K="kill-on-bad-exit", T="threads", X="disable-status", Z="no-allocate",
+    l="label", r="relative", u="unbuffered")
+ALIASES = {"tasks-per-node": "ntasks-per-node", "cpu_bind": "cpu-bind", "pack-group": "het-group"}
+
+
+def long_option(name: str, table: dict[str, str], prog: str, where: str, findings: Findings) -> str | None:
+    """Resolve --name as getopt_long does: an exact name, else an unambiguous prefix (sbatch accepted
+    --ntasks-per-nod=2 on the test cluster), else the error the command prints."""
+    if name in table:
+        return name
+    matches = [n for n in table if n.startswith(name)] if name else []
+    if len(matches) == 1:
+        findings.warn("option-prefix", f"{where}: {prog} reads --{name} as --{matches[0]} (an abbreviation "
+                      f"getopt accepts); write --{matches[0]} in full")
+        return matches[0]
+    if matches:
+        findings.error("ambiguous-option", f"{where}: {prog} refuses --{name}: it is ambiguous ("
+                       + ", ".join(f"--{m}" for m in sorted(matches)[:6]) + "); write the full name")
+        return None
+    near = difflib.get_close_matches(name, list(table), n=1, cutoff=0.6)
+    findings.error("unknown-option", f"{where}: {prog} refuses --{name} (unrecognized option: {prog} exits 255"
+                   + (f"); did you mean --{near[0]}?" if near else f"); see `man {prog}`"))
+    return None
+
+
+def parse_options(tokens: list[str], where: str, findings: Findings, prog: str = "sbatch"
+                  ) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """Split option tokens as getopt_long does for sbatch (a #SBATCH line) or srun (its options stop at the first
+    word that is not an option: the command). Returns (name, value) pairs with short and alias names mapped to
+    long ones, and the rest of the tokens (srun's command)."""
+    table, short = (SBATCH_LONG, SBATCH_SHORT) if prog == "sbatch" else (SRUN_LONG, SRUN_SHORT)
     out, i = [], 0
     while i < len(tokens):
         tok = tokens[i]
         i += 1
+        if tok == "--":
+            return out, tokens[i:]
         if tok.startswith("--"):
-            name, eq, value = tok[2:].partition("=")
-            if not eq:
-                if tok in FLAGS or i >= len(tokens) or tokens[i].startswith("-"):
-                    value = None
-                else:
-                    value, i = tokens[i], i + 1
-            out.append((name, value))
-        elif tok.startswith("-") and len(tok) >= 2:
-            letter = tok[1]
-            if f"-{letter}" in FLAGS and len(tok) == 2:
-                out.append((short.get(letter, letter), None))
+            raw, eq, value = tok[2:].partition("=")
+            name = long_option(raw, table, prog, where, findings)
+            if name is None:
                 continue
-            value = tok[2:] or None
-            if value is None and i < len(tokens):
+            kind = table[name]
+            if kind == "n" and eq:
+                findings.error("bad-value", f"{where}: {prog} refuses --{name}={value}: --{name} takes no value")
+                value = None
+            elif kind == "r" and not eq:
+                if i >= len(tokens):
+                    findings.error("bad-value", f"{where}: --{name} needs a value, e.g. --{name}=<value>")
+                    continue
                 value, i = tokens[i], i + 1
-            if value is not None and value.startswith("="):
-                findings.error("bad-directive", f"{where}: '{tok}' is not valid for sbatch (write -{letter} "
-                               f"{value[1:]} or --{short.get(letter, letter)}={value[1:]})")
-                value = value[1:]
-            out.append((short.get(letter, letter), value))
-        else:
-            findings.warn("stray-token", f"{where}: {tok!r} is not an option; sbatch rejects it ('Invalid "
-                          f"directive'); quote values with spaces")
-    return out
+            elif not eq:
+                value = None
+            out.append((ALIASES.get(name, name), value))
+        elif tok.startswith("-") and len(tok) >= 2:
+            j = 1
+            while j < len(tok):
+                letter = tok[j]
+                if letter not in short:
+                    findings.error("unknown-option", f"{where}: {prog} refuses -{letter} (invalid option; "
+                                   f"{prog} exits 255); see `man {prog}`")
+                    break
+                name = short[letter]
+                if table[name] == "n":
+                    out.append((name, None))
+                    j += 1
+                    continue
+                value = tok[j + 1:]
+                if not value and table[name] == "r":
+                    if i >= len(tokens):
+                        findings.error("bad-value", f"{where}: -{letter} needs a value")
+                        break
+                    value, i = tokens[i], i + 1
+                out.append((name, value or None))
+                break
+        elif prog == "srun":
+            return out, tokens[i - 1:]
+        else:  # measured: sbatch exits 1 with "Invalid directive found in batch script: stray"
+            findings.error("stray-token", f"{where}: {tok!r} is not an option; sbatch refuses the script ('Invalid "
+                           f"directive found in batch script: {tok}'); quote values with spaces")
+    return out, []
 
 
 def _int_option(name: str, value: str | None, where: str, findings: Findings, lo: int = 1) -> int | None:
@@ -1057,7 +1506,8 @@ def _int_option(name: str, value: str | None, where: str, findings: Findings, lo
                       f"{raw.split('-')[0]}: fix it (e.g. --nodes={raw.split('-')[0]}) so the layout is known")
         m = re.match(r"(\d+)", raw)
     if not m or int(m.group(1)) < lo:
-        findings.error("bad-value", f"{where}: --{name}={raw!r} is not a count >= {lo}")
+        hint = f" (write --{name}={raw[1:]}: a short option takes no '=')" if raw.startswith("=") else ""
+        findings.error("bad-value", f"{where}: --{name}={raw!r} is not a count >= {lo}; sbatch refuses it{hint}")
         return None
     return int(m.group(1))
 
@@ -1079,48 +1529,50 @@ def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
     return None
 
 
+INT_FIELDS = {"nodes": "nodes", "ntasks": "ntasks", "ntasks-per-node": "ntasks_per_node",
+              "cpus-per-task": "cpus_per_task", "gpus-per-node": "gpus_per_node", "gpus-per-task": "gpus_per_task",
+              "gpus": "gpus_total"}
+TEXT_FIELDS = {"hint": "hint", "constraint": "constraint", "partition": "partition", "time": "time",
+               "account": "account", "qos": "qos", "distribution": "distribution"}
+
+
 def apply_option(job: Job, name: str, value: str | None, where: str, findings: Findings) -> None:
-    if value is not None and "$" in value and not name.startswith(("output", "error", "job-name", "chdir")):
-        findings.error("variable-in-directive",
-                       f"{where}: --{name}={value} uses a shell variable, but sbatch does not expand variables in "
-                       f"#SBATCH lines (it sees the text {value!r}); write the value, or pass it on the sbatch "
-                       f"command line: sbatch --{name}=\"${{VAR}}\" job.slurm")
-        return
     if value is not None and "$" in value:
         findings.error("variable-in-directive",
-                       f"{where}: --{name}={value} uses a shell variable, but sbatch does not expand it: the file "
-                       f"would be literally {value!r}; use Slurm's patterns (%j job id, %x job name, %u user) or an "
-                       f"absolute path")
+                       f"{where}: --{name}={value} uses a shell variable, but sbatch does not expand variables in "
+                       f"#SBATCH lines (it sees the text {value!r}); "
+                       + ("use Slurm's patterns (%j job id, %x job name, %u user) or an absolute path"
+                          if name in ("output", "error", "job-name", "chdir") else
+                          f"write the value, or pass it on the sbatch command line: sbatch --{name}=\"${{VAR}}\" "
+                          "job.slurm"))
         return
-    if name in ("nodes",):
-        job.nodes = _int_option(name, value, where, findings)
-    elif name == "ntasks":
-        job.ntasks = _int_option(name, value, where, findings)
-    elif name in ("ntasks-per-node", "tasks-per-node"):
-        job.ntasks_per_node = _int_option("ntasks-per-node", value, where, findings)
-    elif name == "cpus-per-task":
-        job.cpus_per_task = _int_option(name, value, where, findings)
+    if name in INT_FIELDS:
+        setattr(job, INT_FIELDS[name], _int_option(name, value, where, findings))
     elif name == "gres":
         n = gres_gpus(value or "", where, findings)
         if n is not None:
-            job.gpus_per_node = n
-    elif name == "gpus-per-node":
-        job.gpus_per_node = _int_option(name, value, where, findings)
-    elif name == "gpus-per-task":
-        job.gpus_per_task = _int_option(name, value, where, findings)
-    elif name == "gpus":
-        job.gpus_total = _int_option(name, value, where, findings)
+            job.gres_gpus = n
     elif name == "gpu-bind":
         job.gpu_bind = value
         check_gpu_bind(value or "", where, findings)
-    elif name == "hint":
-        job.hint = value
-    elif name == "constraint":
-        job.constraint = value
-    elif name == "partition":
-        job.partition = value
-    elif name == "time":
-        job.time = value
+    elif name in TEXT_FIELDS:
+        setattr(job, TEXT_FIELDS[name], value)
+    elif name == "ignore-pbs":
+        job.ignore_pbs = True
+
+
+STEP_FIELDS = {"nodes": "step_nodes", "ntasks": "step_ntasks", "ntasks-per-node": "step_ntasks_per_node"}
+
+
+def apply_srun_option(job: Job, name: str, value: str | None, where: str, findings: Findings) -> None:
+    """An srun option on the trainer's line: the step's own shape (it inherits the rest from the job)."""
+    if name in STEP_FIELDS:
+        setattr(job, STEP_FIELDS[name], _int_option(name, value, where, findings))
+    elif name in ("gpus-per-task", "gpu-bind", "cpus-per-task", "distribution"):
+        apply_option(job, name, value, where, findings)
+    elif name in ("gres", "gpus-per-node", "gpus"):
+        findings.warn("srun-gpu-option", f"{where}: srun --{name}={value} changes the step's GPUs, which the plan "
+                      "does not model (on 22.05 a step asking more GPUs than the job fails); request GPUs in #SBATCH")
 
 
 def check_gpu_bind(value: str, where: str, findings: Findings) -> None:
@@ -1195,15 +1647,32 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
             setattr(t, attr, number)
 
 
-def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
-    """Read the #SBATCH header the way sbatch does and the trainer's srun line."""
+def read_trainer_line(line: str, script: str, where: str, job: Job, training: Training, findings: Findings) -> None:
+    """The trainer's line: srun's options (the step's shape), the layout its script runs, its arguments."""
     try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    job, training, findings = Job(source=str(path)), Training(), Findings()
-    in_header, seen_trainer = True, False
-    logical: list[tuple[int, str]] = []  # (first line number, line with continuations joined)
+        argv = shlex.split(line, comments=True)
+    except ValueError as exc:
+        findings.error("bad-command", f"{where}: cannot parse the trainer's line ({exc})")
+        return
+    cut = next((i for i, a in enumerate(argv) if a.endswith(script)), None)
+    if cut is None:
+        return
+    training.layout = TRAINERS[script]
+    launcher = argv[:cut]
+    at = next((i for i, a in enumerate(launcher) if os.path.basename(a) == "srun"), None)
+    job.srun = at is not None
+    job.launcher = " ".join(launcher) or "(nothing)"
+    job.trainer = script
+    if at is not None:
+        options, _command = parse_options(launcher[at + 1:], where, findings, prog="srun")
+        for name, value in options:
+            apply_srun_option(job, name, value, where, findings)
+    training_from_argv(argv[cut + 1:], training, where, findings)
+
+
+def logical_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, line) with backslash continuations of command lines joined."""
+    logical: list[tuple[int, str]] = []
     pending, start = "", 0
     for lineno, line in enumerate(text.splitlines(), 1):
         if pending or (not line.lstrip().startswith("#") and line.rstrip().endswith("\\")):
@@ -1217,54 +1686,82 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
         logical.append((lineno, line))
     if pending:
         logical.append((start, pending))
+    return logical
 
-    for lineno, line in logical:
-        where = f"{Path(path).name}:{lineno}"
-        if line.startswith("#SBATCH"):
-            if not in_header:
-                findings.warn("ignored-directive", f"{where}: '{line.strip()}' comes after the first command; "
-                              "sbatch ignores it: move it above the first command")
-                continue
-            try:
-                tokens = shlex.split(line[len("#SBATCH"):], comments=True)
-            except ValueError as exc:
-                findings.error("bad-directive", f"{where}: cannot parse '{line.strip()}' ({exc})")
-                continue
-            for name, value in parse_options(tokens, where, findings):
-                apply_option(job, name, value, where, findings)
-            continue
+
+def read_directive(line: str, where: str, job: Job, findings: Findings) -> None:
+    """One '#SBATCH' line: sbatch 22.05 reads what follows the 7 letters, with or without a space
+    ('#SBATCH-N 2' and '#SBATCH<tab>-N 2' both gave 2 nodes on the test cluster), up to a '#' comment."""
+    try:
+        tokens = shlex.split(line[len("#SBATCH"):], comments=True)
+    except ValueError as exc:
+        findings.error("bad-directive", f"{where}: cannot parse '{line.strip()}' ({exc})")
+        return
+    if tokens[:1] in (["hetjob"], ["packjob"]):
+        findings.warn("hetjob", f"{where}: '{line.strip()}' starts a heterogeneous job's next component; the plan "
+                      "covers the options of all components as one job: check each component on its own")
+        return
+    options, _ = parse_options(tokens, where, findings)
+    for name, value in options:
+        apply_option(job, name, value, where, findings)
+
+
+def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
+    """Read the job script the way sbatch 22.05 does (measured on the test cluster, tests/test_sbatch_rules.py):
+    the header is every line up to the first one that is neither blank nor a comment (an indented '# ...' is a
+    comment); in it, lines starting with '#SBATCH' in column 0 (case matters) are directives, and so are
+    '#PBS' and '#BSUB' lines, translated, unless --ignore-pbs is given. Then the trainer's srun line."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")  # bytes: keep any \r\n to see it
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    job, training, findings = Job(source=str(path)), Training(), Findings()
+    name = Path(path).name
+    if "\r\n" in text:
+        findings.error("dos-line-breaks", f"{name}: the file has DOS line breaks (\\r\\n): sbatch refuses it "
+                       f"('Batch script contains DOS line breaks'); convert it: dos2unix {name}")
+        text = text.replace("\r\n", "\n")
+    if not text.startswith("#!"):
+        findings.error("no-shebang", f"{name}:1: the first line is not '#!' and an interpreter: sbatch refuses the "
+                       "file ('This does not look like a batch script'); make line 1 '#!/bin/bash'")
+    in_header, foreign = True, []
+    for lineno, line in logical_lines(text):
+        where = f"{name}:{lineno}"
         stripped = line.strip()
-        if re.match(r"#\s*SBATCH", stripped) and (line != stripped or not stripped.startswith("#SBATCH")):
-            findings.warn("ignored-directive", f"{where}: '{stripped}' is not read by sbatch (a directive must start "
-                          "with '#SBATCH' in column 0): write it as '#SBATCH ...' at the start of the line")
+        if line.startswith("#SBATCH"):
+            if in_header:
+                read_directive(line, where, job, findings)
+            else:
+                findings.warn("ignored-directive", f"{where}: '{stripped}' comes after the first command; "
+                              "sbatch ignores it: move it above the first command")
+            continue
+        if in_header and line.startswith(("#PBS", "#BSUB")):
+            foreign.append((where, stripped))
+            continue
+        if re.match(r"#\s*SBATCH", stripped, re.I):
+            findings.warn("ignored-directive", f"{where}: '{stripped}' is not read by sbatch (a directive is "
+                          "'#SBATCH', in capitals, from column 0): write it as '#SBATCH ...' at the start of the line")
             continue
         if not stripped or stripped.startswith("#"):
             continue
         in_header = False
         m = re.match(r"module\s+load\s+(.*)", stripped)
         if m:
+            job.modules += m.group(1).split()
             for mod in m.group(1).split():
                 if torch_version_of(mod):
                     job.torch_module = mod
         script = next((name for name in TRAINERS if name in stripped), None)
-        if script and not seen_trainer:
-            seen_trainer = True
-            try:
-                argv = shlex.split(stripped, comments=True)
-            except ValueError as exc:
-                findings.error("bad-command", f"{where}: cannot parse the trainer's line ({exc})")
-                continue
-            cut = next(i for i, a in enumerate(argv) if a.endswith(script))
-            training.layout = TRAINERS[script]
-            if argv and argv[0] == "srun":  # srun's own options override the job's for this step
-                for name, value in parse_options([a for a in argv[1:cut] if a not in ("python", "python3")],
-                                                 where, Findings()):
-                    if name in ("nodes", "ntasks", "ntasks-per-node", "gpus-per-task", "gpu-bind", "cpus-per-task"):
-                        apply_option(job, name, value, where, findings)
-            training_from_argv(argv[cut + 1:], training, where, findings)
-    if not seen_trainer:
-        findings.warn("no-trainer-line", f"{Path(path).name}: no 'srun ... bench_ddp_transformer.py' (or "
-                      "bench_stage.py) line found; the training arguments were taken from the defaults")
+        if script and job.srun is None:
+            read_trainer_line(stripped, script, where, job, training, findings)
+    if foreign and not job.ignore_pbs:
+        where, line = foreign[0]
+        findings.error("pbs-directive", f"{where}: sbatch also reads '{line}' ({len(foreign)} #PBS/#BSUB line(s); "
+                       "measured: '#PBS -l nodes=2' gave a 2-node job), which this plan does not model; write it as "
+                       "#SBATCH, or add '#SBATCH --ignore-pbs'")
+    if job.srun is None:
+        findings.warn("no-trainer-line", f"{name}: no 'srun ... bench_ddp_transformer.py' (or bench_stage.py) line "
+                      "found; the training arguments were taken from the defaults")
     return job, training, findings
 
 
@@ -1299,7 +1796,7 @@ def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
     visible = launch.visible_gpus
     findings = Findings()
     plan = plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, visible,
-                     launch.gpus_on_node, training.nlayers or 0,
+                     launch.gpus_on_node, training.nlayers or (GPU_DEFAULTS if visible else CPU_DEFAULTS)["nlayers"],
                      1 if training.layout == "stage" else training.nb_part, findings)
     try:
         import psutil
@@ -1367,6 +1864,8 @@ def send_report(launch: idr_torch.Launch, facts: dict, timeout: float = 120.0) -
 def check_in_step(launch: idr_torch.Launch, training: Training,
                   gpu_mem: float | None = None) -> tuple[Report | None, int]:
     """srun python check_topology.py: every task checks what it sees; rank 0 prints one report."""
+    if training.nlayers is None:  # the trainer's default for what this task sees
+        training.nlayers = (GPU_DEFAULTS if launch.visible_gpus else CPU_DEFAULTS)["nlayers"]
     facts = task_facts(launch, training)
     if launch.rank != 0:
         return None, send_report(launch, facts)
@@ -1507,9 +2006,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("precision", "activation_checkpointing", "zero"):
             if getattr(args, name) is not None:
                 setattr(t, name, getattr(args, name))
-        if t.nlayers is None:
-            t.nlayers = GPU_DEFAULTS["nlayers"]
-        return t
+        return t  # nlayers left None: check_job / task_facts take the trainer's default for GPU or CPU
 
     try:
         if args.gpu_mem is not None and args.gpu_mem <= 0:
