@@ -336,6 +336,7 @@ class Job:
     step_nodes: int | None = None  # srun's own -N / -n / --ntasks-per-node on the trainer's line
     step_ntasks: int | None = None
     step_ntasks_per_node: int | None = None
+    step_cpus_per_task: int | None = None  # srun -c: 22.05's srun does not inherit the job's --cpus-per-task
     placement: str = "exact"  # "possible": Slurm decides by free cores; the plan shows one placement it may make
 
 
@@ -393,9 +394,9 @@ def node_cap(job: Job) -> int | None:
     return NODE_TYPES[ntype]["cores"] // (job.cpus_per_task or 1) if ntype else None
 
 
-def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, int, bool]:
+def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, int]:
     """What the allocation holds on each node, in tasks (None: Slurm decides by free cores), the job's task count
-    (SLURM_NTASKS, which srun inherits) and whether that count is set. Measured with slurm-wlm 22.05 on the test
+    (which srun inherits, as SLURM_NTASKS or, without -n, one per node). Measured with slurm-wlm 22.05 on the test
     cluster (tests/test_placement_slurm.py): --ntasks-per-node=k reserves k tasks' cores on every node and
     --ntasks=n then runs n of them; without it -n 6 -N 3 got 4,1,1 and -n 6 -N 2 -c 10 got 4,2."""
     n, k, cap = job.ntasks, job.ntasks_per_node, node_cap(job)
@@ -419,19 +420,19 @@ def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, in
                            "refuses it ('Requested node configuration is not available'); set "
                            f"--ntasks={nodes * k} or drop --ntasks")
             total = nodes * k
-        return [k] * nodes, total, True
-    if n is None:
-        return [1] * nodes, nodes, False  # one task per node; SLURM_NTASKS is not set
+        return [k] * nodes, total
+    if n is None:  # one task per node, and srun inherits that count like a -n (srun -N 1 in -N 2 was refused)
+        return [1] * nodes, nodes
     if n < nodes:
         findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: every node needs a task; "
                        f"use --nodes={n}")
         job.nodes = n
-        return [1] * n, n, True
+        return [1] * n, n
     if nodes == 1 or n == nodes:
-        return [n // nodes] * nodes, n, True
+        return [n // nodes] * nodes, n
     if cap and n == nodes * cap:
-        return [cap] * nodes, n, True  # full nodes: no other packing fits
-    return None, n, True
+        return [cap] * nodes, n  # full nodes: no other packing fits
+    return None, n
 
 
 def spread(ntasks: int, caps: list[int]) -> list[int]:
@@ -461,7 +462,7 @@ def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
     options on the trainer's line, which override it (and srun -n K alone inherits the job's nodes)."""
     if job.tasks_per_node:  # inside an allocation: Slurm already placed them
         return list(job.tasks_per_node)
-    caps, ntasks, ntasks_set = allocation_tasks(job, findings)
+    caps, ntasks = allocation_tasks(job, findings)
     nodes = len(caps) if caps else job.nodes
     if job.srun is False:  # the batch step runs the line once: SLURM_PROCID=0, no SLURM_STEP_ID (measured)
         if ntasks > 1 or nodes > 1:
@@ -472,17 +473,13 @@ def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
         return [1]
     check_allocation_shape(job, caps, ntasks, findings)
     k_step, m_step, j_step = job.step_ntasks, job.step_nodes, job.step_ntasks_per_node
-    if m_step and m_step > nodes:
+    n_step = k_step if k_step is not None else ntasks  # srun inherits the job's task count (SLURM_NTASKS)
+    # srun: "can't run K processes on M nodes, setting nnodes to K" (measured), else the job's nodes
+    m_step = min(m_step, n_step) if m_step else min(nodes, n_step)
+    if m_step > nodes:
         findings.error("step-nodes", f"srun -N {m_step} but the job has {nodes} node(s): srun refuses the step; "
                        f"use srun -N <= {nodes}")
         m_step = nodes
-    if k_step is not None:
-        n_step, m_step = k_step, m_step or min(nodes, k_step)
-    elif ntasks_set:
-        n_step, m_step = ntasks, m_step or nodes
-    else:
-        m_step = m_step or nodes
-        n_step = m_step * (j_step or 1)
     if j_step and n_step != m_step * j_step:
         findings.warn("srun-ntasks-per-node-ignored",
                       f"srun --ntasks-per-node={j_step} does not match {n_step} task(s) on {m_step} node(s): srun "
@@ -497,14 +494,18 @@ def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
                            f"--ntasks-per-node=2); request --ntasks-per-node={j_step} in #SBATCH")
         elif n_step == m_step:
             return [1] * m_step
-        job.placement = "possible"
-        return packing(n_step, m_step, node_cap(job))
-    caps = caps[:m_step]
+        job.placement = "possible"  # go on with one packing Slurm may make (what idle nodes got)
+        caps = packing(ntasks, nodes, node_cap(job))
+    # the step fits its tasks in the allocation's cores; srun 22.05 does not read SLURM_CPUS_PER_TASK, so without
+    # srun -c a task takes 1 core (measured: -N 1 -c 10, then srun -n 2 ran 2 tasks; -N 2 -n 6 -c 10 held 4,2
+    # tasks and srun placed 3,3)
+    caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in caps[:m_step]]
     if n_step > sum(caps):
         findings.error("step-too-many-tasks",
                        f"srun would start {n_step} task(s) on {m_step} node(s) whose allocation holds "
-                       f"{','.join(map(str, caps))} = {sum(caps)}: srun refuses the step ('More processors requested "
-                       f"than permitted', measured); use srun -n <= {sum(caps)}")
+                       f"{','.join(map(str, caps))} = {sum(caps)} of its cores: srun "
+                       + ("may refuse" if job.placement == "possible" else "refuses") + " the step ('More processors "
+                       f"requested than permitted', measured); use srun -n <= {sum(caps)}")
         return caps
     if j_step and any(c < j_step for c in caps):
         findings.error("srun-ntasks-per-node-conflict",
@@ -1561,14 +1562,15 @@ def apply_option(job: Job, name: str, value: str | None, where: str, findings: F
         job.ignore_pbs = True
 
 
-STEP_FIELDS = {"nodes": "step_nodes", "ntasks": "step_ntasks", "ntasks-per-node": "step_ntasks_per_node"}
+STEP_FIELDS = {"nodes": "step_nodes", "ntasks": "step_ntasks", "ntasks-per-node": "step_ntasks_per_node",
+               "cpus-per-task": "step_cpus_per_task"}
 
 
 def apply_srun_option(job: Job, name: str, value: str | None, where: str, findings: Findings) -> None:
     """An srun option on the trainer's line: the step's own shape (it inherits the rest from the job)."""
     if name in STEP_FIELDS:
         setattr(job, STEP_FIELDS[name], _int_option(name, value, where, findings))
-    elif name in ("gpus-per-task", "gpu-bind", "cpus-per-task", "distribution"):
+    elif name in ("gpus-per-task", "gpu-bind", "distribution"):
         apply_option(job, name, value, where, findings)
     elif name in ("gres", "gpus-per-node", "gpus"):
         findings.warn("srun-gpu-option", f"{where}: srun --{name}={value} changes the step's GPUs, which the plan "
