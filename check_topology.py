@@ -1067,14 +1067,14 @@ def check_bubble(nb_part: int, t: Training, findings: Findings) -> None:
     batch = t.batch_size if t.batch_size is not None else GPU_DEFAULTS["batch_size"]
     if nb_part < 2 or chunks < 1 or chunks >= 4 * nb_part:
         return
-    bubble = (nb_part - 1) / (chunks + nb_part - 1)
+    idle = bubble(nb_part, chunks)
     need = 4 * (nb_part - 1) + 1  # the fewest chunks that bring the bubble under 20 %
     fits = [d for d in divisors(batch) if d >= need] if batch >= 1 else []
-    fix = (f"--chunks {fits[0]} ({(nb_part - 1) / (fits[0] + nb_part - 1):.0%})" if fits else
+    fix = (f"--chunks {fits[0]} ({bubble(nb_part, fits[0]):.0%})" if fits else
            f"--chunks {need} or more, with a batch size it divides")
     findings.warn("pipeline-bubble",
                   f"--chunks={chunks} is below 4 x nb_part = {4 * nb_part}: the pipeline bubble keeps each GPU idle "
-                  f"(nb_part-1)/(chunks+nb_part-1) = {nb_part - 1}/{chunks + nb_part - 1} = {bubble:.0%} of every "
+                  f"(nb_part-1)/(chunks+nb_part-1) = {nb_part - 1}/{chunks + nb_part - 1} = {idle:.0%} of every "
                   f"step; {fix} brings it under 20 %")
 
 
