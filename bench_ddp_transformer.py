@@ -41,7 +41,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -62,6 +61,12 @@ try:
 except ImportError:  # pip install --user fairscale
     FairscalePipe = None
 
+try:
+    import psutil
+except ImportError:  # a cluster's PyTorch module brings torch, not this: one line, not a traceback
+    sys.exit("bench_ddp_transformer: error: psutil is missing (it measures memory and start-up): "
+             "pip install --user psutil")
+
 # torch 2.3's DDP warns about its own internal use of the gloo backend object; nothing a user can act on
 warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
 
@@ -69,7 +74,8 @@ import check_topology
 import idr_torch  # the page's idr_torch: rank, size, local_rank, cpus_per_task from Slurm (or torchrun)
 
 CACHE_FORMAT = 2  # bump when the tokenised cache layout changes
-CKPT_FORMAT = "bench_ddp_transformer/1"
+RESUME_FORMAT = "bench_ddp_transformer/resume/1"  # the companion file of --save (what resuming needs)
+HOST_GROUP: list = [None]  # the gloo group for CPU-side collectives (None: the default group is gloo already)
 
 
 class RunError(Exception):
@@ -145,6 +151,9 @@ def init_distributed(timeout: float, cuda: bool) -> None:
     idr_torch.export_env()  # MASTER_ADDR/PORT (kept if already set), RANK, WORLD_SIZE, LOCAL_RANK
     dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", world_size=idr_torch.size,
                             rank=idr_torch.rank, timeout=timedelta(seconds=timeout))
+    # Python objects (RNG states, placements) and the stop flag travel on the CPU: nccl would put them on
+    # cuda:0 of every task, one GPU shared by the node's tasks (nccl refuses that), and sync the GPU stream.
+    HOST_GROUP[:] = [dist.new_group(backend="gloo") if cuda else None]
 
 
 def init_rpc_for_pipe() -> tempfile.NamedTemporaryFile:
@@ -265,10 +274,11 @@ class Replica:
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.ddp_mp_model: DistributedDataParallel | None = None
 
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
+    def load(self, model_state: dict, optimizer_state: dict | None) -> None:
         """The page: `model.load_state_dict(torch.load(model_path))` on every process, before DDP wraps it."""
         self.model.load_state_dict(model_state)  # every key, every shape: strict
-        self.optimizer.load_state_dict(optimizer_state)
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
 
     def start(self) -> None:
         # ddp_mp_model = DistributedDataParallel(model): no device_ids / output_device, the module spans
@@ -284,9 +294,11 @@ class Replica:
         self.optimizer.step()
         return torch.stack([loss * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
 
-    def state(self) -> tuple[dict, dict]:
+    def state(self) -> tuple[dict, dict] | None:
         """What rank 0 saves: the page's `model.module.state_dict()` (the whole replica, no 'module.' prefix),
-        copied to the CPU, and the optimizer's state."""
+        copied to the CPU, and the optimizer's state. The other ranks copy nothing (None)."""
+        if idr_torch.rank != 0:
+            return None
         return {k: v.cpu() for k, v in self.ddp_mp_model.module.state_dict().items()}, self.optimizer.state_dict()
 
     # ---- beyond the page: evaluation, timing, memory, the replica check, the record
@@ -301,7 +313,8 @@ class Replica:
     def describe(self) -> str:
         return (f"{self.dp_size} replica(s), nb_part {self.nb_part} "
                 f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.gpu_ids)} on rank 0), engine "
-                f"{self.engine}: " + " | ".join(f"{self.plan.device(i)}: {c}" for i, c in enumerate(self.plan.contents)))
+                f"{self.engine}: " + " | ".join(f"{self.plan.device(i)}: {c}"
+                                                 for i, c in enumerate(self.plan.contents)))
 
     def synchronize(self) -> None:
         if not self.plan.cpu:
@@ -677,13 +690,11 @@ POSITIVE = ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "c
 
 def resolve(cfg: argparse.Namespace, cuda: bool) -> None:
     """Fill the GPU or CPU defaults; refuse counts below 1 before anything is built."""
-    defaults = check_topology.GPU_DEFAULTS if cuda else check_topology.CPU_DEFAULTS
-    for k, v in defaults.items():
-        if getattr(cfg, k) is None:
-            setattr(cfg, k, v)
-    for k in POSITIVE:
-        if getattr(cfg, k, None) is not None and getattr(cfg, k) < 1:
-            raise RunError(f"--{k.replace('_', '-')} {getattr(cfg, k)} must be at least 1")
+    given = {k: getattr(cfg, k) for k in check_topology.GPU_DEFAULTS}
+    vars(cfg).update(check_topology.model_args(check_topology.Training(), not cuda, **given))
+    bad = check_topology.below_one({k: getattr(cfg, k, None) for k in POSITIVE})
+    if bad:
+        raise RunError(bad)
     if not 0 <= cfg.dropout < 1:
         raise RunError(f"--dropout {cfg.dropout} must be in [0, 1)")
 
@@ -760,7 +771,13 @@ def cpu_threads(launch: idr_torch.Launch) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# checkpoints: the page's model.module.state_dict() (no "module." prefix), plus what resuming needs
+# checkpoints. --save PATH is exactly the page's file, `torch.save(ddp_mp_model.module.state_dict(), PATH)`, so
+# the page's `model.load_state_dict(torch.load(PATH))` loads it; what resuming needs (optimizer, epoch, batch,
+# RNG states, the layout) goes in PATH.resume.pt beside it. Both are written atomically, by rank 0.
+def resume_file(path: str | Path) -> Path:
+    return Path(path).expanduser().with_name(Path(path).name + ".resume.pt")
+
+
 def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
     """What a checkpoint must match: the model and how many parts it is cut in (whatever the layout:
     nb_part 2 here and bench_stage.py --pp 2 hold the same parts under the same keys)."""
@@ -769,71 +786,105 @@ def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
             "part_sizes": check_topology.part_sizes(cfg.nlayers, nb_part)}
 
 
-def rng_states(world: int) -> list[dict]:
-    """Every rank's random state (dropout masks differ per replica), gathered for rank 0's checkpoint."""
+def rng_states(world: int) -> list[dict] | None:
+    """Every rank's random state (dropout masks differ per replica), gathered on rank 0 for its checkpoint."""
     mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     if world == 1:
         return [mine]
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
+    everyone: list | None = [None] * world if idr_torch.rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0, group=HOST_GROUP[0])
     return everyone
 
 
-def save_checkpoint(path: str, model_state: dict, optimizer_state: dict, epoch: int, batch_in_epoch: int,
-                    step: int, rngs: list[dict], cfg: argparse.Namespace, nb_part: int, engine: str) -> None:
-    """model_state: the page's model.module.state_dict() of the whole replica (keys '0.0.embedding.weight',
-    no 'module.' prefix). epoch: epochs fully done; batch_in_epoch: batches done in the next one."""
-    state = {"format": CKPT_FORMAT, "model": model_state, "optimizer": optimizer_state, "epoch": epoch,
-             "batch_in_epoch": batch_in_epoch, "step": step, "layout": layout_of(cfg, nb_part), "engine": engine,
-             "rng": rngs, "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}}
-    atomic_torch_save(state, Path(path).expanduser())
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
-def read_checkpoint(path: str, cfg: argparse.Namespace, nb_part: int) -> dict:
-    try:
-        state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise RunError(f"--load {path}: no such file") from None
-    except Exception as exc:
-        raise RunError(f"--load {path} is not a readable checkpoint ({type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0][:120]}); it may be truncated: use an earlier one") from None
-    if not isinstance(state, dict) or state.get("format") != CKPT_FORMAT:
-        raise RunError(f"--load {path} is not a checkpoint written by bench_ddp_transformer.py --save")
-    mine, theirs = layout_of(cfg, nb_part), state["layout"]
-    if mine != theirs:
-        diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
-        raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
-                       f"(e.g. --nb-part {theirs['nb_part']} --nlayers {theirs['nlayers']})")
-    return state
+def save_checkpoint(path: str, model_state: dict, resume: dict) -> None:
+    """The model file first, then the companion naming its digest: a job killed between the two renames leaves
+    a pair that resume_point refuses to mix, never a model resumed with another save's optimizer."""
+    target = Path(path).expanduser()
+    atomic_torch_save(model_state, target)
+    atomic_torch_save(dict(resume, model_sha256=file_digest(target)), resume_file(target))
 
 
 def save_progress(cfg: argparse.Namespace, trainer: Replica, epoch: int, batch_in_epoch: int, step: int,
                   world: int) -> None:
     """Every rank calls it (the RNG states, and the stage layout's consolidation, are collectives); rank 0
-    writes --save."""
+    writes --save and its companion. epoch: epochs fully done; batch_in_epoch: batches done in the next one."""
     if not cfg.save:
         return
-    model_state, optimizer_state = trainer.state()
+    state = trainer.state()
     rngs = rng_states(world)
     if idr_torch.rank == 0:
-        save_checkpoint(cfg.save, model_state, optimizer_state, epoch, batch_in_epoch, step, rngs, cfg,
-                        trainer.nb_part, trainer.engine)
+        model_state, optimizer_state = state
+        save_checkpoint(cfg.save, model_state, {
+            "format": RESUME_FORMAT, "optimizer": optimizer_state, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+            "step": step, "layout": layout_of(cfg, trainer.nb_part), "engine": trainer.engine, "rng": rngs,
+            "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}})
+
+
+def read_model(path: str) -> dict:
+    """The --load file: a state_dict, the page's or ours (the page's own torch.load, weights only)."""
+    try:
+        state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise RunError(f"--load {path}: no such file") from None
+    except Exception as exc:
+        raise RunError(f"--load {path} is not a readable model file ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0][:120]}); it may be truncated: use an earlier one") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise RunError(f"--load {path} is not a state_dict (what torch.save(model.module.state_dict(), path) "
+                       "writes)")
+    return state
+
+
+def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None:
+    """The companion of `path`, checked against this run's layout and against the model file; None if absent."""
+    companion = resume_file(path)
+    if not companion.exists():
+        return None
+    try:
+        state = torch.load(companion, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise RunError(f"{companion} is unreadable ({type(exc).__name__}); delete it to load {path}'s weights "
+                       "alone, with a fresh optimizer") from None
+    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+        raise RunError(f"{companion} was not written by this kit's --save; delete it to load {path}'s weights alone")
+    mine, theirs = layout_of(cfg, nb_part), state["layout"]
+    if mine != theirs:
+        diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
+        raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
+                       f"(e.g. --nb-part {theirs['nb_part']} --nlayers {theirs['nlayers']})")
+    if state.get("model_sha256") != file_digest(Path(path).expanduser()):
+        raise RunError(f"{path} and {companion} come from different saves (a job killed between the two "
+                       f"writes?); delete {companion} to start from {path}'s weights with a fresh optimizer")
+    return state
 
 
 def resume_point(cfg: argparse.Namespace, trainer: Replica) -> tuple[int, int, int, dict | None]:
     """--load, or --resume's --save file if it exists, into the model on every rank (before DDP wraps it):
-    (epoch, batch in that epoch, step, the checkpoint), or a fresh start."""
+    (epoch, batch in that epoch, step, the companion), or a fresh start. A file without a companion (the
+    page's own) gives the weights and a fresh optimizer, from epoch 0."""
     load = cfg.load or (cfg.save if cfg.resume and cfg.save and Path(cfg.save).expanduser().exists() else None)
     if not load:
         return 0, 0, 0, None
-    state = read_checkpoint(load, cfg, trainer.nb_part)
+    model_state, state = read_model(load), read_resume(load, cfg, trainer.nb_part)
     try:
-        trainer.load(state["model"], state["optimizer"])
+        trainer.load(model_state, state["optimizer"] if state else None)
     except (RuntimeError, ValueError, KeyError, IndexError) as exc:
         raise RunError(f"--load {load} does not fit this model ({str(exc).splitlines()[0][:160]}); rerun "
-                       f"with the options it was saved with: {state.get('args')}") from None
-    start_epoch, skip, step = state["epoch"], state.get("batch_in_epoch", 0), state["step"]
+                       f"with the options it was saved with"
+                       + (f": {state.get('args')}" if state else "")) from None
+    if state is None:
+        log(f"loaded {load}: weights only (no {resume_file(load).name} beside it): fresh optimizer, epoch 0")
+        return 0, 0, 0, None
+    start_epoch, skip, step = state["epoch"], state["batch_in_epoch"], state["step"]
     log(f"loaded {load}: epoch {start_epoch}" + (f" + {skip} batches" if skip else "") + f", step {step}")
     return start_epoch, skip, step, state
 
@@ -854,10 +905,9 @@ class StopRequest:
     stream is never synchronised for it."""
     EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the templates requeue on it
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self) -> None:
         self.signal: str | None = None
         self.flag = torch.zeros(1)
-        self.group = dist.new_group(backend="gloo") if cuda else None
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handler)
 
@@ -867,7 +917,7 @@ class StopRequest:
     def agreed(self, world: int) -> bool:
         self.flag[0] = 1.0 if self.signal else 0.0
         if world > 1:
-            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=HOST_GROUP[0])
         return bool(self.flag[0] > 0)
 
 
@@ -920,11 +970,14 @@ def train(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, s
     log(f"  {trainer.describe()}")
     train_loader, test_loader = make_loaders(cfg, load_corpus(cfg, source, world), trainer, launch, cuda)
     start_epoch, skip, step, state = resume_point(cfg, trainer)  # loaded before DDP wraps the model
+    if start_epoch >= cfg.epochs:
+        log(f"nothing to train: the checkpoint holds {start_epoch} epoch(s) and --epochs is {cfg.epochs}; raise "
+            f"--epochs to go on, or delete {cfg.load or cfg.save} (and its .resume.pt) to start afresh")
     trainer.start()
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ between replicas
     if state is not None:
         restore_rng(state, rank)
-    stop = StopRequest(cuda)
+    stop = StopRequest()
     log(f"  model: {trainer.total_params / 1e6:.2f} M parameters; {len(train_loader)} steps per epoch")
     history, startup_s = [], None
     for epoch in range(start_epoch, cfg.epochs):
@@ -1040,7 +1093,7 @@ def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, 
     gap = trainer.divergence()
     plans: list = [None] * launch.size  # where every task put its parts, for the record
     if launch.size > 1:
-        dist.all_gather_object(plans, trainer.placement(launch))
+        dist.all_gather_object(plans, trainer.placement(launch), group=HOST_GROUP[0])
     else:
         plans = [trainer.placement(launch)]
     log(f"replicas in sync: max parameter fingerprint difference {gap:.3g} over {trainer.dp_size} replica(s)")
@@ -1068,13 +1121,17 @@ def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, 
             f.write(json.dumps(record) + "\n")
 
 
+# What a collective raises when a peer task died or hung, and nothing else: gloo's "Connection closed by peer"
+# (seen here, torch 2.13 CPU, a killed peer) and its "Timed out waiting ... for recv"; a reset or broken socket
+# (ECONNRESET, EPIPE); NCCL's ncclRemoteError "remote process exited or there was a network error".
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+             "remote process exited or there was a network error")
+
+
 def is_comm_error(exc: BaseException) -> bool:
-    """A collective failed because a peer died, hung (timeout) or closed its connection."""
-    if isinstance(exc, getattr(dist, "DistBackendError", ())) or isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return any(k in text for k in ("Connection closed", "Connection reset", "connection", "gloo", "NCCL",
-                                   "timed out", "Timed out", "Broken pipe", "TCPStore", "peer"))
+    """A collective failed because a peer died, hung (timeout) or closed its connection; any other error keeps
+    its own message and traceback."""
+    return isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(k in str(exc) for k in PEER_GONE)
 
 
 def cli(main: Callable[[], int], prog: str) -> None:

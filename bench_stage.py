@@ -105,12 +105,13 @@ class Stages:
                 f"{self.cfg.schedule}; rank 0 holds " + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
                 + f" on {self.device}")
 
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
-        pieces = split_optimizer_state(optimizer_state, self.param_counts)
+    def load(self, model_state: dict, optimizer_state: dict | None) -> None:
+        pieces = split_optimizer_state(optimizer_state, self.param_counts) if optimizer_state else None
         for s, m in self.modules.items():
             prefix = f"{s}."
             m.load_state_dict({k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)})
-            self.optimizers[s].load_state_dict(pieces[s])
+            if pieces:
+                self.optimizers[s].load_state_dict(pieces[s])
 
     def start(self) -> None:
         from torch.distributed import pipelining
@@ -173,13 +174,15 @@ class Stages:
     def peak_memory_gb(self) -> float:
         return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
 
-    def state(self) -> tuple[dict, dict]:
-        """Consolidated on every rank (a collective): the first pipeline's stages, under the replica layout's
-        keys, so a checkpoint moves between layouts."""
+    def state(self) -> tuple[dict, dict] | None:
+        """Consolidated on rank 0 (a collective; the other ranks get None): the first pipeline's stages, under
+        bench_ddp_transformer.py's keys, so a checkpoint moves between the layouts."""
         mine = {s: ({k: v.cpu() for k, v in m.state_dict().items()}, self.optimizers[s].state_dict())
                 for s, m in self.modules.items()} if self.dp_rank == 0 else {}
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        everyone: list | None = [None] * dist.get_world_size() if idr_torch.rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0, group=bench.HOST_GROUP[0])
+        if everyone is None:
+            return None
         by_stage = {s: v for d in everyone for s, v in d.items()}
         model = {f"{s}.{k}": v for s in sorted(by_stage) for k, v in by_stage[s][0].items()}
         return model, merge_optimizer_states([by_stage[s][1] for s in sorted(by_stage)])

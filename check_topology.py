@@ -186,6 +186,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def below_one(values: dict) -> str | None:
+    """The one rule for counts, in the trainers and the checker: '--name N must be at least 1' for the first
+    count below 1 (None and non-numbers are someone else's business)."""
+    for name, v in values.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 1:
+            return f"--{name.lstrip('-').replace('_', '-')} {v} must be at least 1"
+    return None
+
+
 # ---- the layer split ----------------------------------------------------------------------------------------
 def part_sizes(nlayers: int, nb_part: int) -> list[int]:
     """Layers per part: balanced, the extra ones on the *last* parts (part 0 already holds the Encoder's
@@ -237,6 +246,7 @@ class TaskPlan:
     bound: bool  # Slurm showed this task only its own GPUs
     nlayers: int
     cpu: bool = False
+    visible: int = 0  # GPUs this task sees (CUDA_VISIBLE_DEVICES)
 
     @property
     def first_part(self) -> int:
@@ -287,7 +297,7 @@ def plan_task(rank: int, node: int, local_rank: int, tasks_on_node: int, visible
         findings.error("more-tasks-than-gpus",
                        f"{where}: {tasks_on_node} tasks share {len(visible)} visible GPU(s): nb_part = "
                        f"{len(visible)} // {tasks_on_node} = 0; use --ntasks-per-node <= {len(visible)}")
-        return TaskPlan(rank, node, local_rank, tasks_on_node, 0, [], [], bound, nlayers)
+        return TaskPlan(rank, node, local_rank, tasks_on_node, 0, [], [], bound, nlayers, visible=len(visible))
     devices = list(range(first, first + n))
     past = [d for d in devices if d >= len(visible)]
     if past:
@@ -300,7 +310,7 @@ def plan_task(rank: int, node: int, local_rank: int, tasks_on_node: int, visible
                           else f"use --nb-part <= {len(visible) // tasks_on_node}"))
         devices = [d for d in devices if d < len(visible)]
     return TaskPlan(rank, node, local_rank, tasks_on_node, n, devices, [visible[d] for d in devices], bound,
-                    nlayers)
+                    nlayers, visible=len(visible))
 
 
 # ---- the job: what it asks for --------------------------------------------------------------------------------
@@ -858,10 +868,8 @@ def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str,
 # ---- checks -----------------------------------------------------------------------------------------------------
 def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = False) -> None:
     """The model and batch against the split: layers per part, chunks per batch."""
-    defaults = CPU_DEFAULTS if cpu else GPU_DEFAULTS
-    nlayers = t.nlayers if t.nlayers is not None else defaults["nlayers"]
-    chunks = t.chunks if t.chunks is not None else defaults["chunks"]
-    batch = t.batch_size if t.batch_size is not None else defaults["batch_size"]
+    model = model_args(t, cpu)  # the trainer's defaults where the line gives nothing
+    nlayers, chunks, batch = model["nlayers"], model["chunks"], model["batch_size"]
     if nb_part >= 1:
         if nlayers < nb_part:
             findings.error("nlayers-below-nb-part",
@@ -902,8 +910,7 @@ def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None
                 findings: Findings, cpu: bool = False) -> int:
     """The stage layout (bench_stage.py): a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per pipeline."""
     pp, v = t.pp, stages_per_rank(t.schedule, t.virtual_stages)
-    defaults = CPU_DEFAULTS if cpu else GPU_DEFAULTS
-    chunks = t.chunks if t.chunks is not None else defaults["chunks"]
+    chunks = model_args(t, cpu)["chunks"]
     if t.schedule not in SCHEDULES:
         findings.error("bad-schedule", f"--schedule {t.schedule!r} is not one of {', '.join(SCHEDULES)}")
     if pp < 2:
@@ -1347,7 +1354,7 @@ def note_page_indexing(report: Report) -> None:
     for p in report.tasks:
         if not p.bound or p.tasks_on_node < 2:
             continue
-        visible = len(p.gpu_ids) if p.nb_part == len(p.gpu_ids) else p.nb_part
+        visible = p.visible
         nb, first, last = page_indexing(p.local_rank, p.tasks_on_node, visible)
         if nb < 1 or last >= visible or nb != p.nb_part:
             report.notes.append(
@@ -1640,8 +1647,8 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
         except ValueError:
             findings.error("bad-value", f"{where}: {name} {value!r} is not an integer")
             continue
-        if number < 1:
-            findings.error("bad-value", f"{where}: {name} {number} must be at least 1")
+        if below_one({name: number}):
+            findings.error("bad-value", f"{where}: {below_one({name: number})}")
             continue
         if name in model:
             t.model[attr] = number
@@ -1995,8 +2002,8 @@ def main(argv: list[str] | None = None) -> int:
     def override(t: Training) -> Training:
         for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part", "layout", "pp", "schedule",
                      "virtual_stages"):
-            if isinstance(getattr(args, name), int) and getattr(args, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+            if below_one({name: getattr(args, name)}):
+                raise UsageError(below_one({name: getattr(args, name)}))
             if getattr(args, name) is not None:
                 setattr(t, name, getattr(args, name))
         for name in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout"):
@@ -2028,9 +2035,9 @@ def main(argv: list[str] | None = None) -> int:
             if missing and not (args.gpus_per_task and args.nodes):
                 raise UsageError(f"planning needs {' and '.join(missing)} (and --ntasks-per-node), e.g. "
                                  "--nodes 3 --gpus-per-node 4 --ntasks-per-node 2")
-            bad = [k for k in PLANNING if isinstance(getattr(args, k), int) and getattr(args, k) < 1]
+            bad = below_one({k: getattr(args, k) for k in PLANNING})
             if bad:
-                raise UsageError(f"--{bad[0].replace('_', '-')} {getattr(args, bad[0])} must be at least 1")
+                raise UsageError(bad)
             job = Job(**{k: getattr(args, k) for k in PLANNING}, gpu_mem=args.gpu_mem)
             job.source = (f"plan: {args.nodes} node(s) x {args.gpus_per_node or '?'} GPU(s), "
                           f"--ntasks-per-node={args.ntasks_per_node}")

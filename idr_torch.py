@@ -23,7 +23,11 @@ import sys
 from functools import cached_property
 from typing import Mapping
 
-import hostlist
+try:
+    import hostlist
+except ImportError:  # a cluster's PyTorch module brings torch, not this: one line, not a traceback
+    sys.exit("idr_torch: error: python-hostlist is missing (it reads Slurm's node lists): "
+             "pip install --user python-hostlist")
 
 __all__ = ["Launch", "LaunchError", "current", "export_env", "parse_tasks_per_node", "expand_nodelist"]
 

@@ -1,7 +1,9 @@
 """Start N real processes the way srun would (SLURM_* per task), wait for all, and insist they exit."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +13,8 @@ from pathlib import Path
 from local_slurm import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+# the torch these tests run on, (major, minor): the one parse of its version for every test file
+TORCH = tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version("torch"))[:2])
 # what a test must never inherit from the machine it runs on
 _STRIP = ("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC",
           "CUDA_VISIBLE_DEVICES", "DSDIR", "SCRATCH")

@@ -1,4 +1,4 @@
-"""One training step of bench_stage.py's stage layout (torch.distributed.pipelining, DDP per stage) on a fixed global batch;
+"""One training step of bench_stage.py (torch.distributed.pipelining, DDP per stage) on a fixed global batch;
 saves the loss seen by the last stage and every local stage's gradients under the replica layout's names.
 Started once per task by tests/test_stage.py, under srun-like variables."""
 from __future__ import annotations

@@ -98,11 +98,53 @@ def test_split_properties(nlayers, nb_part):
         assert set(parts) == set(range(nb_part))  # no idle part
 
 
-def test_page_loop_breaks_where_ours_does_not():
-    # nlayers=7, nb_part=2: the page's float partition_len 3.5 never triggers `i % 3.5 == 0` after i=0 ...
-    assert page_loop(7, 2) == [0, 0, 0, 0, 1, 1, 1]
-    # ... and 10 layers on 4 parts put layers of two parts together in the page's module_list
-    assert ct.split_layers(10, 4) == [0, 0, 1, 1, 2, 2, 2, 3, 3, 3]
+def page_grouping(nlayers: int, nb_part: int) -> list[list[int]]:
+    """The page's module_list loop, verbatim but for the modules: each partition (an nn.Sequential, one Pipe
+    stage) as the list of GPU offsets (first_part + device) its modules were sent to, Encoder and Decoder included."""
+    module_list = []
+    partition_len = max((nlayers / nb_part), 1)
+    tmp_list = [0]  # Encoder(...).to(first_part)
+    for i in range(nlayers):
+        if i != 0 and i % (partition_len) == 0:
+            module_list.append(tmp_list)
+            tmp_list = []
+        device = int(i // (partition_len))
+        tmp_list.append(device)  # transformer_block.to(first_part + device)
+    tmp_list.append(nb_part - 1)  # Decoder(...).to(last_part)
+    module_list.append(tmp_list)
+    return module_list
+
+
+def ours_grouping(nlayers: int, nb_part: int) -> list[list[int]]:
+    """The same, for the kit's split (bench_ddp_transformer.build_module_list starts a partition where the
+    part changes)."""
+    parts = ct.split_layers(nlayers, nb_part)
+    groups = [[0]]
+    for i, p in enumerate(parts):
+        if i != 0 and p != parts[i - 1]:
+            groups.append([])
+        groups[-1].append(p)
+    groups[-1].append(nb_part - 1)
+    return groups
+
+
+def test_page_loop_mixes_two_gpus_in_one_partition_where_ours_does_not():
+    # 16 layers on 2 GPUs, the page's example: both loops give the same two one-GPU partitions
+    assert page_grouping(16, 2) == ours_grouping(16, 2) == [[0] * 9, [1] * 9]
+    # 7 layers on 2 GPUs: partition_len 3.5, `i % 3.5 == 0` only at i = 0, so the page makes ONE partition whose
+    # modules sit on both GPUs: a Pipe stage spanning two devices (Pipe expects each stage on one device)
+    assert page_grouping(7, 2) == [[0, 0, 0, 0, 0, 1, 1, 1, 1]]
+    # 10 layers on 4 GPUs: partition_len 2.5 cuts at i = 5 only: 2 partitions for 4 GPUs, each mixing two GPUs
+    assert page_grouping(10, 4) == [[0, 0, 0, 0, 1, 1], [2, 2, 2, 3, 3, 3]]
+    # ours: one partition per GPU, every module of a partition on that partition's GPU
+    assert ours_grouping(7, 2) == [[0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert ours_grouping(10, 4) == [[0, 0, 0], [1, 1], [2, 2, 2], [3, 3, 3, 3]]
+    mixed = [(n, k) for n in range(1, 33) for k in range(1, 9) if n >= k
+             and any(len(set(g)) > 1 for g in page_grouping(n, k))]
+    assert mixed and all(n % k for n, k in mixed)  # the page mixes GPUs only when nlayers % nb_part != 0 ...
+    for n, k in mixed:  # ... and ours never does
+        groups = ours_grouping(n, k)
+        assert len(groups) == k and all(len(set(g)) == 1 for g in groups) and [g[0] for g in groups] == list(range(k))
     assert ct.part_sizes(7, 2) == [3, 4]  # the extra layer goes to the last part, not the Encoder's
 
 

@@ -23,7 +23,7 @@ COMMON = ["--synthetic", "1200", "--batch-size", "16", "--nlayers", "2", "--drop
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, weights_only=False)["model"]
+    return torch.load(path)  # the --save file is the page's state_dict
 
 
 @pytest.mark.multiproc
@@ -62,7 +62,7 @@ def test_stop_signal_mid_epoch_then_resume(tmp_path):
     out = logs[0].read_text()
     assert codes == [75, 75], out + logs[1].read_text()
     assert "stopping on SIGUSR1 at epoch 1" in out and "checkpoint saved to" in out
-    state = torch.load(ckpt, weights_only=False)
+    state = torch.load(ckpt.with_name(ckpt.name + ".resume.pt"), weights_only=False)
     assert state["epoch"] == 0 and 5 <= state["batch_in_epoch"] < 37 and len(state["rng"]) == 2
     resumed = bench([*args, "--save", str(ckpt), "--resume"], ntasks=2)
     assert all(r.returncode == 0 for r in resumed), resumed[0].stderr[-2000:]
@@ -101,6 +101,34 @@ def test_dead_rank_stops_every_other_task(tmp_path):
         text = logs[r].read_text()
         assert f"bench_ddp_transformer: error: task {r} lost contact with the others" in text, text[-1500:]
         assert "Traceback" not in text
+
+
+def test_only_a_dead_peer_is_lost_contact():
+    import bench_ddp_transformer as b
+    assert b.is_comm_error(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                                        "[127.0.0.1]:20866. This is typically caused by a remote worker crashing."))
+    assert b.is_comm_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or "
+                                        "there was a network error, NCCL version 2.21.5"))
+    for other in ("CUDA out of memory. Tried to allocate 2.00 GiB (NCCL buffers in use)",
+                  "Tensors must be CUDA and dense (gloo)", "peer access is not supported between these devices",
+                  "mat1 and mat2 shapes cannot be multiplied (32x64 and 128x2)", "connection layer weight mismatch"):
+        assert not b.is_comm_error(RuntimeError(other)), other
+
+
+# ---- a dependency missing next to a cluster's PyTorch module: one line that says what to install ----------------------
+@pytest.mark.parametrize("module,argv,needle", [
+    ("psutil", ["bench_ddp_transformer.py"], "error: psutil is missing (it measures memory and start-up): "
+     "pip install --user psutil"),
+    ("hostlist", ["check_topology.py"], "error: python-hostlist is missing (it reads Slurm's node lists): "
+     "pip install --user python-hostlist"),
+    ("fairscale", ["bench_ddp_transformer.py", "--engine", "fairscale"],
+     "--engine fairscale needs fairscale next to this torch: pip install --user fairscale"),
+])
+def test_a_missing_dependency_is_one_line(module, argv, needle):
+    code = (f"import sys, runpy; sys.modules[{module!r}] = None; sys.argv = {argv!r}; "
+            f"runpy.run_path({str(ROOT / argv[0])!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # ---- a kill during a save leaves the previous checkpoint whole -------------------------------------------------------

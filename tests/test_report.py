@@ -39,6 +39,13 @@ def test_table_merges_repeats_and_names_regimes(tmp_path):
     assert "Fastest: 4 task(s) x nb_part 1 (pure data parallel)" in md
     with open(tmp_path / "out" / "sweep.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
+
+
+def test_plot_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is optional (plots only) and not installed here")
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("\n".join(json.dumps(r) for r in [record(2, 2, 64, 2, 250.0), record(4, 1, 32, 1, 400.0)]))
+    assert report.main([str(runs), "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "throughput.png").stat().st_size > 10_000
 
 

@@ -82,8 +82,8 @@ def test_page_three_node_template_runs(slurm_cluster, workdir):
     assert [p["gpu_ids"] for p in record["plans"]] == [["0", "1"], ["2", "3"]] * 3
     assert [p["node"] for p in record["plans"]] == [0, 0, 1, 1, 2, 2]
     # the checkpoint: one file, written by rank 0 only (once per epoch, atomically)
-    assert [p.name for p in workdir.glob("hybrid_3x4_*.pt")] == [f"hybrid_3x4_{job}.pt"]
-    assert out.count("checkpoint saved:") == 2 and not list(workdir.glob(".hybrid_3x4_*"))
+    assert sorted(p.name for p in workdir.glob("*hybrid_3x4*.pt*")) == ["hybrid_3x4.pt", "hybrid_3x4.pt.resume.pt"]
+    assert out.count("checkpoint saved:") == 2
 
 
 def test_page_eight_gpu_template_preflight_in_allocation(slurm_cluster, workdir):
@@ -260,7 +260,36 @@ def test_time_limit_signal_requeues_and_resumes(slurm_cluster, workdir):
     assert state["JobState"] == "COMPLETED" and state.get("Restarts") == "1", (state, out[-3000:], err[-3000:])
     assert "stopping on SIGUSR1 at epoch 1" in out and "checkpoint saved to" in out
     stopped_at = re.search(r"at epoch 1, batch (\d+)/", out).group(1)
-    assert f"loaded hybrid_3x4_{job}.pt: epoch 0 + {stopped_at} batches" in out
+    assert f"loaded hybrid_3x4.pt: epoch 0 + {stopped_at} batches" in out
     assert out.count("summary:") == 1 and "=> OK" in out.split("stopping on SIGUSR1")[1]  # pre-flight ran again
     [record] = [json.loads(line) for line in (workdir / "hybrid_results.jsonl").read_text().splitlines()]
     assert record["world_size"] == 6 and len(record["epochs"]) == 2
+
+
+def test_scancel_then_a_new_submission_resumes(slurm_cluster, workdir):
+    """scancel (SIGTERM to every task, as a preemption does): the tasks agree on a step, checkpoint and stop; the
+    job ends CANCELLED, not requeued. A new `sbatch` of the same script (a new job id) continues from the file."""
+    import time
+    text = (workdir / "page_3nodes_4gpus.slurm").read_text()
+    text = text.replace("--nlayers 16 --chunks 4 --batch-size 64 --epochs 2",
+                        "--nlayers 2 --chunks 2 --batch-size 16 --epochs 2 --synthetic 3000 --log-every 0")
+    (workdir / "again.slurm").write_text(text)
+    first = run(["sbatch", "--parsable", "again.slurm"], slurm_cluster, workdir).stdout.strip().split(";")[0]
+    log = workdir / f"hybrid_3x4_{first}.out"
+    deadline = time.monotonic() + 240
+    while not (log.exists() and "epoch 1 step 3/" in log.read_text()):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    assert run(["scancel", first], slurm_cluster, workdir).returncode == 0
+    while job_state(slurm_cluster, workdir, first).get("JobState") != "CANCELLED":
+        assert time.monotonic() < deadline, job_state(slurm_cluster, workdir, first)
+        time.sleep(0.5)
+    out = log.read_text()
+    assert "stopping on SIGTERM at epoch 1" in out, out[-3000:]
+    stopped_at = re.search(r"at epoch 1, batch (\d+)/", out).group(1)
+    r = run(["sbatch", "--wait", "--parsable", "again.slurm"], slurm_cluster, workdir, timeout=600)
+    second = r.stdout.strip().split(";")[0]
+    out2 = (workdir / f"hybrid_3x4_{second}.out").read_text()
+    assert r.returncode == 0 and second != first, (r.stderr, out2[-3000:])
+    assert f"loaded hybrid_3x4.pt: epoch 0 + {stopped_at} batches" in out2, out2[-3000:]
+    assert out2.count("summary:") == 1 and len(re.findall(r"^epoch +\d+ \|", out2, re.M)) == 2

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import ROOT, bench, clean_env, run_tasks, srun_envs
+from launch import ROOT, TORCH, bench, clean_env, run_tasks, srun_envs
 
 pytestmark = pytest.mark.multiproc
 
-LEGACY_TORCH = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) <= (2, 3)
+LEGACY_TORCH = TORCH <= (2, 3)
 ENGINES = ["torch-pipe", "fairscale"] if LEGACY_TORCH else ["fairscale"]
 
 
@@ -127,39 +127,40 @@ def test_imdb_is_read_tokenised_and_cached(tmp_path, form):
     assert acc > 0.9
 
 
-# ---- checkpoints -----------------------------------------------------------------------------------------------------
-def test_save_load_and_layout_mismatch(tmp_path):
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+def test_save_is_the_pages_file_and_loads_back(tmp_path):
     ckpt = tmp_path / "model.pt"
     common = ["--synthetic", "800", "--cache-dir", str(tmp_path), "--nlayers", "4", "--batch-size", "16"]
     saved = ok(bench([*common, "--epochs", "1", "--save", str(ckpt)], ntasks=2))
     assert saved.count("checkpoint saved:") == 1  # rank 0 alone writes it
-    state = torch.load(ckpt, weights_only=False)
-    assert state["epoch"] == 1 and state["layout"]["nb_part"] == 2 and "optimizer" in state
-    assert not any(k.startswith("module.") for k in state["model"])  # model.module.state_dict(): no prefix
-    assert "0.0.embedding.weight" in state["model"] and "1.2.head.2.weight" in state["model"]
-    assert not list(tmp_path.glob(".model.pt.*"))  # no temporary file left behind
+    import bench_ddp_transformer as b
+    import check_topology as ct
+    cfg = b.parse_args(common)
+    b.resolve(cfg, False)
+    # the page's two lines, on the plain nn.Sequential of the page's module_list: the file is the state_dict
+    model = torch.nn.Sequential(*b.build_module_list(cfg, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)))
+    model.load_state_dict(torch.load(ckpt))
+    assert "0.0.embedding.weight" in torch.load(ckpt) and not any(k.startswith("module.") for k in torch.load(ckpt))
+    resume = torch.load(b.resume_file(ckpt), weights_only=False)  # what resuming needs, beside it
+    assert (resume["epoch"], resume["batch_in_epoch"], resume["layout"]["nb_part"]) == (1, 0, 2)
+    assert len(resume["optimizer"]["state"]) == len(list(model.parameters())) and len(resume["rng"]) == 2
+    assert sorted(p.name for p in tmp_path.glob("*model.pt*")) == ["model.pt", "model.pt.resume.pt"]  # no temp
 
-    # loading gives the same function: load into the Pipe model, compare with the plain one
+    # the Pipe model loaded from it computes what the plain model does
     code = f"""
 import sys, torch; sys.path.insert(0, {str(ROOT)!r})
 import bench_ddp_transformer as b, check_topology as ct
 cfg = b.parse_args({common!r}); b.resolve(cfg, False)
 plan = ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)
 model = b.PipeModel(b.build_module_list(cfg, plan), 'fairscale', 2, ['cpu', 'cpu'])
-model.load_state_dict(b.read_checkpoint({str(ckpt)!r}, cfg, plan.nb_part)["model"])
+model.load_state_dict(torch.load({str(ckpt)!r}))
 x = torch.randint(0, cfg.vocab_size, (6, cfg.seq_len), generator=torch.Generator().manual_seed(0))
 model.eval(); torch.save(model(x).detach(), {str(tmp_path / 'out.pt')!r}); model.close()
 """
     subprocess.run([sys.executable, "-c", code], check=True, env=clean_env(), timeout=120)
-    import bench_ddp_transformer as b
-    import check_topology as ct
-    cfg = b.parse_args(common)
-    b.resolve(cfg, False)
-    plain = torch.nn.Sequential(*b.build_module_list(cfg, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)))
-    plain.load_state_dict(state["model"])
-    plain.eval()
+    model.eval()
     x = torch.randint(0, cfg.vocab_size, (6, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), plain(x).detach())
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(x).detach())
 
     # every rank loads; training continues from the saved epoch
     resumed = ok(bench([*common, "--epochs", "2", "--load", str(ckpt)], ntasks=2))
@@ -169,6 +170,17 @@ model.eval(); torch.save(model(x).detach(), {str(tmp_path / 'out.pt')!r}); model
     [bad] = bench([*common, "--epochs", "2", "--load", str(ckpt), "--nb-part", "4"])
     assert bad.returncode == 1
     assert "saved with another layout: nb_part 2 (now 4)" in bad.stderr and "--nb-part 2" in bad.stderr
+
+    # a file the page wrote (no companion): its weights, a fresh optimizer, from epoch 0
+    page_file = tmp_path / "page.pt"
+    torch.save(model.state_dict(), page_file)
+    page = ok(bench([*common, "--epochs", "1", "--load", str(page_file)]))
+    assert "weights only" in page and "epoch   1 |" in page
+
+    # a model file that is not the one its companion was written with is refused, not mixed
+    torch.save({k: v + 1 for k, v in torch.load(ckpt).items()}, ckpt)
+    [mixed] = bench([*common, "--epochs", "2", "--load", str(ckpt)])
+    assert mixed.returncode == 1 and "come from different saves" in mixed.stderr, mixed.stderr
 
 
 # ---- bad input: one clear line, non-zero exit, nothing half-written ------------------------------------------------
@@ -188,7 +200,7 @@ def test_bad_input_fails_clearly(tmp_path, args, needle):
     assert len(lines) == 1 and lines[0].startswith("bench_ddp_transformer: error:"), r.stderr
     assert needle in lines[0]
     assert "Traceback" not in r.stderr
-    assert not Path("/sys/ckpt.pt").exists()
+    assert not list(tmp_path.iterdir())  # refused before anything was written: no cache, no checkpoint
 
 
 def test_empty_data_dir_and_no_batch(tmp_path):
