@@ -50,16 +50,16 @@ from torch.nn.parallel import DistributedDataParallel
 # The page's Pipe, torch.distributed.pipeline.sync.Pipe, exists up to torch 2.3 (removed in 2.4); fairscale.nn.Pipe
 # is the library it was upstreamed from, same GPipe and arguments, and runs on current torch. --engine picks one
 # (auto: the page's where it exists); pick_engine() below says what to install when the chosen one is missing.
-try:
-    from torch.distributed.pipeline.sync import Pipe as TorchPipe
-except ImportError:  # torch >= 2.4
-    TorchPipe = None
-try:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+with warnings.catch_warnings():  # both announce their own deprecation on import: known, nothing to act on
+    warnings.simplefilter("ignore")
+    try:
+        from torch.distributed.pipeline.sync import Pipe as TorchPipe
+    except ImportError:  # torch >= 2.4
+        TorchPipe = None
+    try:
         from fairscale.nn import Pipe as FairscalePipe
-except ImportError:  # pip install --user fairscale
-    FairscalePipe = None
+    except ImportError:  # pip install --user fairscale
+        FairscalePipe = None
 
 try:
     import psutil
