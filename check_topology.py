@@ -481,7 +481,15 @@ def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
                            f"on {nodes} node(s) the batch script runs it once, as 1 process on the first node, not "
                            f"{ntasks}; start it with: srun python {job.trainer} ...")
         return [1]
-    check_allocation_shape(job, caps, ntasks, findings)
+    placed = step_tasks_per_node(job, caps, ntasks, nodes, findings)
+    if job.step_ntasks is None or job.placement == "possible":  # the step runs the job's shape: judge it
+        check_allocation_shape(job, caps, ntasks, findings)
+    return placed
+
+
+def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: int, findings: Findings) -> list[int]:
+    """srun's placement of the trainer's step in the allocation (caps: tasks it holds per node, None: packed by
+    free cores), with srun's own -N / -n / --ntasks-per-node / -c from the trainer's line."""
     k_step, m_step, j_step = job.step_ntasks, job.step_nodes, job.step_ntasks_per_node
     n_step = k_step if k_step is not None else ntasks  # srun inherits the job's task count (SLURM_NTASKS)
     # srun: "can't run K processes on M nodes, setting nnodes to K" (measured), else the job's nodes
@@ -990,7 +998,11 @@ def check_cpus(job: Job, nb_part: int, tasks_per_node: list[int], findings: Find
 def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings) -> None:
     """The #SBATCH task counts: --ntasks-per-node missing, or a maximum because --ntasks asks fewer."""
     n, k, nodes = job.ntasks, job.ntasks_per_node, job.nodes or 1
-    if k and n is not None and caps and n < nodes * k:
+    if k and n is not None and n < nodes:
+        findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: srun runs on {n} node(s) "
+                       f"only ('can't run {n} processes on {nodes} nodes', measured) and the others idle; use "
+                       f"--nodes={n}")
+    elif k and n is not None and caps and n < nodes * k:
         placed = spread(n, caps)
         if len(set(placed)) > 1:
             findings.error("ntasks-mismatch",
