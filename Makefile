@@ -2,28 +2,41 @@
 # The test environment pins torch 2.13.0, the CPU build: a bare `torch` would pull a multi-GB CUDA build.
 PYTHON ?= python3
 VENV   := .venv
-LEGACY := .venv-legacy
+LANES  := 2.3.1 2.4.1 2.6.0 2.8.0 2.14.1
+VENV_CACHE ?= $(HOME)/.cache/hybrid-kit/venvs
+COMPAT := report/compat
+lane_dir = $(VENV_CACHE)/torch-$(1)-$(shell sha256sum requirements-torch-$(1).txt | cut -c1-10)
 PY     := $(VENV)/bin/python
 
-.PHONY: run test test-modern test-legacy venv legacy slurm-deps sweep budget clean
+.PHONY: run test test-modern test-lanes compat-check compat-table venv lanes slurm-deps sweep budget gpu-check clean
 
 run: venv
 	$(PY) bench_ddp_transformer.py
 
-test: venv legacy slurm-deps
-	$(MAKE) --no-print-directory test-modern test-legacy
+# Everything on the pinned torch, then the matrix's core on every other release, then the README's compatibility
+# table against what those runs showed (each run writes $(COMPAT)/torch-<version>.json).
+test: venv lanes slurm-deps
+	rm -rf $(COMPAT)
+	$(MAKE) --no-print-directory -k test-modern test-lanes compat-check
 
-# Current torch: everything but the legacy lane; the Slurm tests start (and stop) their own cluster.
+# Current torch: everything but the torch 2.3 tests; the Slurm tests start (and stop) their own cluster.
 test-modern: venv
-	$(PY) -m pytest -m "not legacy" tests
+	KIT_COMPAT_DIR=$(COMPAT) $(PY) -m pytest -m "not legacy" tests
 
-# torch 2.3 lane (the documented Pipe, torchtext); where its venv could not be made the tests skip and say why.
-test-legacy: venv
-	if [ -x $(LEGACY)/bin/python ] && [ -f $(LEGACY)/.installed ]; then \
-		$(LEGACY)/bin/python -m pytest -m "legacy or multiproc" tests; \
-	else \
-		$(PY) -m pytest -m legacy tests; \
-	fi
+# The matrix: the `core` tests in each lane's venv (and on 2.3.1 the torch 2.3 tests: Pipe, torchtext).
+test-lanes: $(addprefix test-lane-,$(LANES))
+test-lane-%:
+	@d=$(call lane_dir,$*); if [ -f $$d/.installed ]; then \
+	   echo "== lane torch $* ($$d)"; \
+	   KIT_COMPAT_DIR=$(COMPAT) $$d/bin/python -m pytest -q -m "core$(if $(filter 2.3.%,$*), or legacy)" tests; \
+	 else echo "make: lane torch $* was not built ($$d): not tested"; [ "$$KIT_REQUIRE_LANES" != 1 ] || exit 1; fi
+
+compat-check: venv
+	$(PY) tests/compat_table.py $(COMPAT) --check README.md
+
+# After a `make test` that changed what a release can do: write the table into the README (then commit it).
+compat-table: venv
+	$(PY) tests/compat_table.py $(COMPAT) --write README.md
 
 # The page's sweep at small scale on this CPU, then its table and plot in report/ (about 10 minutes on 2 cores).
 sweep: venv
@@ -32,8 +45,16 @@ sweep: venv
 	$(PY) slurm/report.py report/cpu_sweep.jsonl --out report --title "CPU sweep (gloo, 2 cores): not a GPU result"
 
 # The performance budget (benchmarks/budget.py): ratios measured in one run; README quotes them.
-budget: venv legacy
-	$(PY) benchmarks/budget.py $$( [ -f $(LEGACY)/.installed ] && echo --legacy $(LEGACY)/bin/python )
+budget: venv lane-2.3.1
+	$(PY) benchmarks/budget.py $$( d=$(call lane_dir,2.3.1); [ -f $$d/.installed ] && echo --legacy $$d/bin/python )
+
+# The one-GPU check (benchmarks/gpu_check.py), then the memory estimate against max_memory_allocated
+# (benchmarks/memory_gpu.py), on a GPU node with the module's python: make gpu-check GPU_PYTHON=python
+GPU_PYTHON ?= $(PY)
+gpu-check:
+	mkdir -p report
+	$(GPU_PYTHON) benchmarks/gpu_check.py --json-out report/gpu_check.jsonl
+	$(GPU_PYTHON) benchmarks/memory_gpu.py
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -42,13 +63,20 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 
-# About a minute and 5 GB (PyPI's torch 2.3.1 is the CUDA build; it runs on the CPU). Failure is not fatal here:
-# the legacy tests then skip with the reason, except in CI where KIT_REQUIRE_LEGACY=1 turns that into a failure.
-legacy: $(LEGACY)/.installed
-$(LEGACY)/.installed: requirements-legacy.txt
-	@$(PYTHON) -m venv $(LEGACY) && \
-	 $(LEGACY)/bin/pip install -q --disable-pip-version-check -r requirements-legacy.txt && touch $@ || \
-	 echo "make: could not build the torch 2.3 lane in $(LEGACY); its tests will skip and say why"
+# One venv per tested torch release (the matrix), in one cache folder outside the work tree, keyed by the release
+# and a hash of its requirements file: CI's fresh clone reuses them, a fresh machine builds each once (about 5 GB
+# and a few minutes each: PyPI's builds are the CUDA ones; they run on the CPU). A half-built venv has no .installed
+# and is rebuilt. Where one cannot be built its lane says so and is left out, except in CI where
+# KIT_REQUIRE_LANES=1 makes that a failure.
+lanes: $(addprefix lane-,$(LANES))
+lane-%:
+	@req=requirements-torch-$*.txt; [ -f $$req ] || { echo "make: no $$req (lanes: $(LANES))"; exit 2; }; \
+	 d=$(call lane_dir,$*); mkdir -p $(VENV_CACHE); \
+	 flock $$d.lock sh -c '[ -f '$$d'/.installed ] || { echo "make: building lane torch $* in '$$d'"; \
+	   rm -rf '$$d' && $(PYTHON) -m venv '$$d' && \
+	   '$$d'/bin/python -m pip install -q --disable-pip-version-check -r '$$req' && touch '$$d'/.installed; }' || \
+	 { echo "make: could not build lane torch $* in $$d; its row is left out of the matrix"; \
+	   [ "$$KIT_REQUIRE_LANES" != 1 ] || exit 1; }
 
 # Debian's slurm-wlm + munge for the real-Slurm tests (root only; the tests skip and say why otherwise).
 slurm-deps:
@@ -59,4 +87,4 @@ slurm-deps:
 	else echo "make: slurm-wlm not installed and not root; the Slurm tests will skip and say why"; fi
 
 clean:
-	rm -rf $(VENV) $(LEGACY) .pytest_cache .hypothesis runs report
+	rm -rf $(VENV) .pytest_cache .hypothesis runs report  # the lanes' venvs stay in $(VENV_CACHE)

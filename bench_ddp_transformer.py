@@ -94,9 +94,10 @@ def log(*msg: object) -> None:
 
 def pick_engine(requested: str) -> str:
     """--engine auto|torch-pipe|fairscale to the engine that runs here, or one line saying what to install."""
-    if requested == "torch-pipe" and TorchPipe is None:
-        raise RunError(f"--engine torch-pipe needs torch <= 2.3 (torch.distributed.pipeline was removed in 2.4) "
-                       f"but this is torch {torch.__version__}; use --engine fairscale (or auto)")
+    if requested == "torch-pipe" and TorchPipe is None:  # the line of check_topology.TORCH_FEATURES
+        missing = check_topology.torch_refusals(torch.__version__, check_topology.Training(engine="torch-pipe"))
+        raise RunError(missing[0] if missing else f"--engine torch-pipe: torch.distributed.pipeline.sync does not "
+                       f"load in this torch {torch.__version__}; use --engine fairscale (or auto)")
     engine = ("torch-pipe" if TorchPipe is not None else "fairscale") if requested == "auto" else requested
     if engine == "fairscale" and FairscalePipe is None:
         raise RunError("--engine fairscale needs fairscale next to this torch: pip install --user fairscale"
@@ -739,6 +740,8 @@ def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
     training = check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
                                        engine=cfg.engine, nb_part=cfg.nb_part)
     check_topology.check_training(plan.nb_part, training, findings, cpu=not cuda)
+    for line in check_topology.torch_refusals(torch.__version__, training, cpu=not cuda):  # what this release lacks
+        findings.error("torch-release", line)
     verdict(cfg, findings)
     return plan
 

@@ -15,7 +15,11 @@ One machine, no GPU:
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,6 +52,8 @@ def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
     parts = check_topology.check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, training,
                                        findings, cpu=not cuda)
     check_topology.check_training(parts, training, findings, cpu=not cuda)
+    for line in check_topology.torch_refusals(torch.__version__, training, cpu=not cuda):  # what this release lacks
+        findings.error("torch-release", line)
     bench.verdict(cfg, findings)
     return plan
 
@@ -58,6 +64,35 @@ def main(argv: list[str] | None = None) -> int:
     bench.resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)
     return bench.run(cfg, cuda, "pipelining", lambda: Stages(cfg, plan, cuda))
+
+
+class Watchdog:
+    """Ends this task with one line when a step makes no progress for `timeout` seconds.
+
+    A rank blocked in a pipelining receive waits in C++ (gloo or nccl point-to-point, which take no timeout on the
+    releases tested); Python runs signal handlers only between bytecodes, so neither SIGTERM nor the stop request
+    reaches it. This thread still runs (the wait releases the GIL): it ends the task within --timeout."""
+
+    def __init__(self, timeout: float, rank: int) -> None:
+        self.timeout, self.rank, self.step, self.beat = timeout, rank, 0, time.monotonic()
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+
+    def tick(self, step: int) -> None:
+        self.step, self.beat = step, time.monotonic()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        while not self.done.wait(min(5.0, self.timeout / 4)):
+            idle = time.monotonic() - self.beat
+            if idle > self.timeout:
+                print(f"bench_stage: error: task {self.rank} made no progress for {idle:.0f}s after "
+                      f"step {self.step} (--timeout {self.timeout:g}): a pipeline stage is blocked in a send or "
+                      "receive that never completes; stopping instead of waiting for the time limit",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
@@ -115,6 +150,7 @@ class Stages:
 
     def start(self) -> None:
         from torch.distributed import pipelining
+        self.watchdog, self.steps = Watchdog(self.cfg.timeout, idr_torch.rank), 0
         dp_group, pp_group = self.mesh["dp"].get_group(), self.mesh["pp"].get_group()
         # The schedule runs one backward per micro-batch (no_sync on all but the last). DDP's first-iteration
         # bucket rebuild then counts every parameter once per micro-batch and fails an internal assert
@@ -122,12 +158,16 @@ class Stages:
         # find_unused_parameters=True skips that rebuild: one more graph traversal per backward, replicas equal.
         self.ddp = {s: DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=True)
                     for s, m in self.modules.items()}
-        stages = [pipelining.PipelineStage(self.ddp[s], s, self.nb_part, self.device, group=pp_group)
-                  for s in self.ids]
+        stages = [pipelining.PipelineStage(self.ddp[s], s, self.nb_part, self.device,
+                                           *self.example_io(pipelining, s), group=pp_group) for s in self.ids]
         cls = getattr(pipelining, check_topology.SCHEDULES[self.cfg.schedule], None)
         if cls is None:
             raise RunError(f"--schedule {self.cfg.schedule}: this torch ({torch.__version__}) has no "
                            f"{check_topology.SCHEDULES[self.cfg.schedule]}; use gpipe or 1f1b")
+        self.eval_schedule = self.forward_only_schedule(pipelining, pp_group)
+        # scale_grads (the mean over micro-batches, on by default) is a schedule argument in 2.8.0 and later; 2.4.1
+        # and 2.6.0 have none and their gradients are the micro-batches' sum
+        self.scales_grads = "scale_grads" in inspect.signature(cls.__init__).parameters
         try:
             self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=F.cross_entropy)
                              if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks,
@@ -135,6 +175,29 @@ class Stages:
         except ValueError as exc:
             raise RunError(f"--schedule {self.cfg.schedule} with --chunks {self.cfg.chunks} and --pp {self.pp}: "
                            f"{exc}") from None
+
+    def example_io(self, pipelining, s: int) -> tuple[torch.Tensor, ...]:
+        """Stage s's input and output for one micro-batch (meta tensors) where PipelineStage requires them: torch 2.4
+        (input_args has no default in 2.4.1's stage.py). Later releases infer them, and 2.13 given them wants the
+        gradients' shapes too, so they get none."""
+        param = inspect.signature(pipelining.PipelineStage.__init__).parameters.get("input_args")
+        if param is None or param.default is not inspect.Parameter.empty:
+            return ()
+        mb, cfg = self.cfg.batch_size // self.cfg.chunks, self.cfg
+        act = torch.empty(mb, cfg.seq_len, cfg.d_model, device="meta")
+        first = torch.empty(mb, cfg.seq_len, dtype=torch.long, device="meta")
+        return (first if s == 0 else act), (torch.empty(mb, 2, device="meta") if s == self.nb_part - 1 else act)
+
+    def forward_only_schedule(self, pipelining, pp_group):
+        """Evaluation where the schedules have no eval() (2.4.1 to 2.8.0; 2.13.0 has it): stages over the bare
+        modules (no DDP hooks under no_grad) and a schedule without loss_fn, which runs no backward."""
+        if hasattr(pipelining.ScheduleGPipe, "eval"):
+            return None
+        stages = [pipelining.PipelineStage(self.modules[s], s, self.nb_part, self.device,
+                                           *self.example_io(pipelining, s), group=pp_group) for s in self.ids]
+        if len(stages) == 1:
+            return pipelining.ScheduleGPipe(stages[0], n_microbatches=self.cfg.chunks)
+        return pipelining.ScheduleLoopedBFS(stages, n_microbatches=self.cfg.chunks)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, run) -> torch.Tensor | None:
         args = (x.to(self.device, non_blocking=True),) if self.first_holder else ()
@@ -146,8 +209,15 @@ class Stages:
             opt.zero_grad(set_to_none=True)
         self._losses: list[torch.Tensor] = []
         out = self._run(x, y, self.schedule.step)
+        if not self.scales_grads:  # the micro-batches' gradients were added up: make them their mean
+            for m in self.modules.values():
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.cfg.chunks)
         for opt in self.optimizers.values():
             opt.step()
+        self.steps += 1
+        self.watchdog.tick(self.steps)
         if not self.last_holder:  # inputs go to the first stage only; loss and accuracy live on the last
             return torch.zeros(3, device=self.device)
         y = y.to(self.device, non_blocking=True)
@@ -159,7 +229,11 @@ class Stages:
         for m in self.modules.values():
             m.eval()
         self._losses = []
-        out = self._run(x, y, self.schedule.eval)
+        if self.eval_schedule is None:
+            out = self._run(x, y, self.schedule.eval)
+        else:
+            out = self.eval_schedule.step(*((x.to(self.device, non_blocking=True),) if self.first_holder else ()))
+        self.watchdog.tick(self.steps)
         for m in self.modules.values():
             m.train()
         if not self.last_holder:
@@ -201,7 +275,9 @@ class Stages:
                 "schedule": self.cfg.schedule, "gpus": idr_torch.size}
 
     def close(self) -> None:
-        self.schedule = None
+        self.schedule = self.eval_schedule = None
+        if getattr(self, "watchdog", None):
+            self.watchdog.stop()
 
 
 

@@ -2,7 +2,7 @@
 """The kit's performance budget, measured as ratios within one run (the machines are noisy; ratios less so).
 
     python benchmarks/budget.py                                  # CPU figures with this interpreter
-    python benchmarks/budget.py --legacy .venv-legacy/bin/python # + fairscale vs torch-pipe on torch 2.3
+    python benchmarks/budget.py --legacy ~/.cache/hybrid-kit/venvs/torch-2.3.1-*/bin/python  # + fairscale vs torch-pipe on torch 2.3
     make budget                                                  # both
 
 1. overhead: the full script's samples/s against a bare loop training the same model in one process without

@@ -1,6 +1,8 @@
-"""Shared test fixtures: repo imports, the real Slurm cluster, the lanes that CI must not skip."""
+"""Shared test fixtures: repo imports, the real Slurm cluster, the lanes that CI must not skip, and the
+compatibility results each lane writes (tests marked `compat("<column>")`; tests/compat_table.py renders them)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -39,3 +41,45 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+# ---- the matrix: every lane (one venv per torch release) records what its compat-marked tests showed ----------------
+# KIT_COMPAT_DIR (set by `make test`) receives torch-<version>.json: per column, the tests that passed, failed,
+# or passed by checking the release's refusal (a test calls `refused(request, message)` for those).
+_COMPAT: dict[str, dict[str, list[str]]] = {}
+
+
+def refused(request: pytest.FixtureRequest, message: str) -> None:
+    """Record that this test passed by checking the release's up-front refusal, not by running the feature."""
+    request.node.user_properties.append(("compat_refused", message))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    marks = [v for k, v in report.user_properties if k == "compat_columns"]
+    if not marks or (report.when != "call" and report.passed):
+        return
+    why = [v for k, v in report.user_properties if k == "compat_refused"]
+    outcome = "failed" if report.failed else "skipped" if report.skipped else "refused" if why else "passed"
+    for column in marks[0]:
+        cell = _COMPAT.setdefault(column, {"passed": [], "failed": [], "skipped": [], "refused": []})
+        cell[outcome].append(report.nodeid + (f" ({why[0]})" if why else ""))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    columns = [c for m in item.iter_markers("compat") for c in m.args]
+    if columns:
+        item.user_properties.append(("compat_columns", columns))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    folder = os.environ.get("KIT_COMPAT_DIR")
+    if not folder or not _COMPAT:
+        return
+    import torch
+    version = torch.__version__.split("+")[0]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    out = Path(folder) / f"torch-{version}.json"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"torch": version, "columns": _COMPAT}, indent=1, sort_keys=True))
+    tmp.replace(out)

@@ -1,7 +1,7 @@
 """The torch 2.3 lane: the page's documented engine and torchtext, tested rather than assumed.
 
-`make test` runs these (with the multi-process tests of test_train.py) in .venv-legacy
-(torch 2.3.1 + torchtext 0.18 + torchdata 0.8, requirements-legacy.txt).
+`make test` runs these (with the matrix's core tests) in the torch 2.3.1 lane's venv
+(torch 2.3.1 + torchtext 0.18 + torchdata 0.8, requirements-torch-2.3.1.txt).
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ pytestmark = pytest.mark.legacy
 @pytest.fixture(autouse=True)
 def legacy_torch():
     if TORCH > (2, 3):
-        skip_or_fail(f"torch {torch.__version__} has no torch.distributed.pipeline: the torch 2.3 lane runs in "
-                     ".venv-legacy (make legacy)", "KIT_REQUIRE_LEGACY")
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.pipeline: the torch 2.3.1 lane runs these "
+                    "(make test-lane-2.3.1)")
     try:
         import torchtext
         torchtext.disable_torchtext_deprecation_warning()
         import torchtext.data.utils  # noqa: F401
     except (ImportError, OSError) as exc:
-        skip_or_fail(f"torchtext does not load here ({exc})", "KIT_REQUIRE_LEGACY")
+        skip_or_fail(f"torchtext does not load here ({exc})", "KIT_REQUIRE_LANES")
 
 
 # A corpus with what IMDB reviews hold: <br /> tags, quotes, apostrophes, numbers, ellipses, non-ASCII,
@@ -76,6 +76,8 @@ def test_trainer_uses_torchtext_and_the_documented_pipe(tmp_path):
     assert "(torchtext tokenizer)" in r.stdout
 
 
+@pytest.mark.core
+@pytest.mark.compat("checkpoint moves")
 def test_checkpoint_moves_between_engines(tmp_path):
     ckpt = tmp_path / "pipe.pt"
     common = ["--synthetic", "600", "--batch-size", "16", "--cache-dir", str(tmp_path), "--nlayers", "4"]

@@ -4,21 +4,31 @@ checkpoints (which move between the two layouts)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from launch import ROOT, TORCH, bench, run_tasks, srun_envs
+import check_topology as ct
+from launch import ROOT, bench, run_tasks, srun_envs
 
 pytestmark = pytest.mark.multiproc
 STAGE = "bench_stage.py"
 
 
-@pytest.fixture(autouse=True)
-def pipelining():
-    if TORCH < (2, 4):
-        pytest.skip(f"torch {torch.__version__} has no torch.distributed.pipelining schedules (needs >= 2.4)")
+def runs(schedule: str) -> str:
+    """Skip where this release refuses the schedule on the CPU (tests/test_matrix.py checks that refusal)."""
+    refusals = ct.torch_refusals(torch.__version__, ct.Training(layout="stage", schedule=schedule), cpu=True)
+    if refusals:
+        pytest.skip(refusals[0])
+    return schedule
+
+
+# the learning test's schedule: 1f1b where this release runs it on the CPU, else gpipe
+LEARN = "gpipe" if ct.torch_refusals(torch.__version__, ct.Training(layout="stage", schedule="1f1b"), cpu=True) \
+    else "1f1b"
 
 
 def ok(results) -> str:
@@ -27,9 +37,12 @@ def ok(results) -> str:
     return results[0].stdout
 
 
+@pytest.mark.core
+@pytest.mark.compat("checkpoint moves")
 def test_stage_layout_learns_in_sync_and_checkpoints(tmp_path):
+    runs("gpipe")
     out, ckpt = tmp_path / "runs.jsonl", tmp_path / "stage.pt"
-    stdout = ok(bench(["--pp", "2", "--schedule", "1f1b", "--chunks", "2", "--batch-size", "32",
+    stdout = ok(bench(["--pp", "2", "--schedule", LEARN, "--chunks", "2", "--batch-size", "32",
                        "--synthetic", "2000", "--epochs", "2", "--cache-dir", str(tmp_path), "--json-out", str(out),
                        "--save", str(ckpt)], ntasks=4, nodes=2, script=STAGE))
     [record] = [json.loads(line) for line in out.read_text().splitlines()]
@@ -53,8 +66,12 @@ def test_stage_layout_learns_in_sync_and_checkpoints(tmp_path):
     assert "epoch   4 |" in back
 
 
-@pytest.mark.parametrize("schedule,virtual,chunks", [("gpipe", 1, 2), ("1f1b", 1, 4), ("interleaved1f1b", 2, 4)])
+@pytest.mark.core
+@pytest.mark.parametrize("schedule,virtual,chunks", [
+    pytest.param(s, v, c, marks=pytest.mark.compat(f"stage {s}"))
+    for s, v, c in [("gpipe", 1, 2), ("1f1b", 1, 4), ("interleaved1f1b", 2, 4), ("loopedbfs", 2, 4)]])
 def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chunks):
+    runs(schedule)
     args = ["--pp", "2", "--schedule", schedule, "--virtual-stages", str(virtual),
             "--chunks", str(chunks), "--nlayers", "4", "--batch-size", "8", "--dropout", "0", "--seed", "11"]
     ok(run_tasks([str(ROOT / "tests" / "stage_step_worker.py"), str(tmp_path), *args], srun_envs(4)))
@@ -93,6 +110,20 @@ def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chun
     (["--pp", "1"], "--pp 1: a pipeline needs at least 2 stages"),
 ])
 def test_stage_layout_bad_requests(tmp_path, args, needle):
+    runs("gpipe")
     results = bench([*args, "--cache-dir", str(tmp_path)], ntasks=4, timeout=90, script=STAGE)
     assert all(r.returncode == 1 for r in results)
     assert needle in results[0].stderr and "Traceback" not in results[0].stderr
+
+
+def test_watchdog_ends_a_blocked_task():
+    # a rank blocked in a receive waits in C++ with the GIL released, out of reach of signal handlers; a blocked
+    # Event.wait is the same from Python's side: the watchdog thread must end the process with one line
+    code = (f"import sys, threading; sys.path.insert(0, {str(ROOT)!r}); import bench_stage; "
+            "bench_stage.Watchdog(2, 3); threading.Event().wait(120)")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 1 and time.monotonic() - t0 < 60, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench_stage: error: task 3 made no progress for"), r.stderr
+    assert "(--timeout 2)" in lines[0]

@@ -34,8 +34,9 @@ def epochs_of(jsonl: Path) -> list[dict]:
 
 
 # ---- training: several replicas, nb_part 2 ------------------------------------------------------------------------
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("ntasks", [2, 4])
+# `core` (the matrix runs it on every release) on 2 tasks; the compat mark names the README table's column
+@pytest.mark.parametrize("engine", [pytest.param(e, marks=pytest.mark.compat(f"replica {e}")) for e in ENGINES])
+@pytest.mark.parametrize("ntasks", [pytest.param(2, marks=pytest.mark.core), 4])
 def test_replicas_train_in_sync_and_learn(tmp_path, engine, ntasks):
     out = tmp_path / "runs.jsonl"
     batch = 64 // ntasks  # same global batch whatever the split
@@ -59,8 +60,8 @@ def test_replicas_train_in_sync_and_learn(tmp_path, engine, ntasks):
 
 
 # ---- the hybrid model computes what the plain model computes --------------------------------------------------------
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("ntasks,chunks", [(2, 4), (4, 1)])
+@pytest.mark.parametrize("engine", [pytest.param(e, marks=pytest.mark.compat(f"replica {e}")) for e in ENGINES])
+@pytest.mark.parametrize("ntasks,chunks", [pytest.param(2, 4, marks=pytest.mark.core), (4, 1)])
 def test_hybrid_equals_reference_model(tmp_path, engine, ntasks, chunks):
     args = ["--engine", engine, "--nlayers", "4", "--nb-part", "2", "--chunks", str(chunks), "--batch-size", "8",
             "--dropout", "0", "--seed", "7"]

@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""The one-GPU check: what to run first on a GPU node (one task, nccl), in one short run.
+
+    srun --gres=gpu:1 -n 1 python benchmarks/gpu_check.py             # or `make gpu-check` on the node
+    python benchmarks/gpu_check.py --steps 40 --json-out report/gpu_check.jsonl
+
+Rows: the replica layout with nb_part 1, and with nb_part 2 where the node shows 2 GPUs (on one GPU that row says
+so), in fp32 and, where the trainer has --precision, in bf16. Each row runs the full script (bench_ddp_transformer.py,
+nccl, one task) and then a bare loop on the same model, micro-batches and optimizer on the same GPU(s) in the same
+process run: plain forward/backward per micro-batch, one AdamW step, no Pipe, no DDP. ratio = script samples/s /
+bare samples/s; the goal is >= 0.95. One table out, and one JSON line per row (the trainer's record plus the bare
+loop's figures) that slurm/report.py reads. Without a GPU it stops at once and says so (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GOAL = 0.95
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="timed steps per row (after --warmup)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--nlayers", type=int, default=16)
+    p.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both")
+    p.add_argument("--json-out", help="append one JSON line per row here")
+    p.add_argument("--timeout", type=float, default=300, help="seconds one row's run may take")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "chunks", "nlayers", "timeout"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup} must be 0 or more")
+    if args.batch_size % args.chunks:
+        p.error(f"--chunks {args.chunks} must divide --batch-size {args.batch_size}")
+    return args
+
+
+def trainer_has(flag: str) -> bool:
+    """Whether bench_ddp_transformer.py accepts `flag` (the precision option is another issue's work)."""
+    import bench_ddp_transformer as bench
+    try:
+        bench.parse_args([flag, "bf16"])
+    except SystemExit:
+        return False
+    return True
+
+
+def run_script(args: argparse.Namespace, nb_part: int, precision: str, work: Path) -> dict:
+    """The full script, one task, nccl: its JSON record (samples/s of the timed steps)."""
+    out = work / f"row-{nb_part}-{precision}.jsonl"
+    cmd = [sys.executable, str(ROOT / "bench_ddp_transformer.py"), "--nb-part", str(nb_part), "--nlayers",
+           str(args.nlayers), "--batch-size", str(args.batch_size), "--chunks", str(args.chunks), "--epochs", "1",
+           "--synthetic", str(args.batch_size * (args.steps + args.warmup + 2)), "--max-steps",
+           str(args.steps + args.warmup), "--warmup-steps", str(args.warmup), "--cache-dir", str(work),
+           "--json-out", str(out), "--timeout", str(args.timeout)]
+    if precision != "fp32":
+        cmd += ["--precision", precision]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
+    if r.returncode != 0:
+        raise RuntimeError(f"the script failed on nb_part {nb_part} {precision} (exit {r.returncode}): "
+                           f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(out.read_text().splitlines()[-1])
+
+
+def bare_loop(args: argparse.Namespace, nb_part: int, precision: str) -> float:
+    """The same model, micro-batches and AdamW, with nothing around them: samples/s on the same GPU(s)."""
+    import torch
+    import torch.nn.functional as F
+    import bench_ddp_transformer as bench
+    import check_topology
+    cfg = bench.parse_args(["--nlayers", str(args.nlayers), "--batch-size", str(args.batch_size),
+                            "--chunks", str(args.chunks), "--nb-part", str(nb_part)])
+    bench.resolve(cfg, cuda=True)
+    plan = check_topology.plan_task(0, 0, 0, 1, [str(i) for i in range(torch.cuda.device_count())], None,
+                                    cfg.nlayers, nb_part)
+    parts = bench.build_module_list(cfg, plan)
+    model = torch.nn.Sequential(*parts)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    first, last = plan.device(0), plan.device(nb_part - 1)
+    x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), device=first)
+    y = torch.randint(0, 2, (cfg.batch_size,), device=last)
+    dtype = torch.bfloat16 if precision == "bf16" else None
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        for xm, ym in zip(x.chunk(cfg.chunks), y.chunk(cfg.chunks)):
+            h = xm
+            for part, dev in zip(parts, [plan.device(i) for i in range(nb_part)]):
+                with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                    h = part(h.to(dev))
+            (F.cross_entropy(h.float(), ym) / cfg.chunks).backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    return args.steps * cfg.batch_size / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print(f"gpu_check: error: no CUDA GPU here (torch {torch.__version__}, torch.cuda.is_available() is "
+              f"False); run it on a GPU node: srun --gres=gpu:1 -n 1 python benchmarks/gpu_check.py",
+              file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count()
+    name = torch.cuda.get_device_name(0)
+    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+    rows, lines = [], []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        for nb_part in (1, 2):
+            for precision in precisions:
+                label = f"nb_part {nb_part} {precision}"
+                if nb_part > gpus:
+                    lines.append(f"| {label} | - | - | - | not run: {gpus} GPU visible, nb_part 2 needs 2 |")
+                    continue
+                if precision != "fp32" and not trainer_has("--precision"):
+                    lines.append(f"| {label} | - | - | - | not run: the trainer has no --precision yet |")
+                    continue
+                record = run_script(args, nb_part, precision, Path(tmp))
+                bare = bare_loop(args, nb_part, precision)
+                ratio = record["samples_per_s"] / bare
+                record.update(check="gpu_check", precision=precision, bare_samples_per_s=bare, ratio=ratio,
+                              goal=GOAL)
+                rows.append(record)
+                lines.append(f"| {label} | {record['samples_per_s']:.1f} | {bare:.1f} | {ratio:.3f} | "
+                             f"{'ok' if ratio >= GOAL else f'below the goal {GOAL}'} |")
+    print(f"gpu_check: {name} x {gpus}, torch {torch.__version__}, nccl, one task; {args.steps} timed steps, "
+          f"batch {args.batch_size}, chunks {args.chunks}, nlayers {args.nlayers}")
+    print("| row | script samples/s | bare loop samples/s | ratio | |\n| --- | --- | --- | --- | --- |")
+    print("\n".join(lines))
+    if args.json_out:
+        with open(args.json_out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0 if all(r["ratio"] >= GOAL for r in rows) else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"gpu_check: error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,33 @@
+"""benchmarks/gpu_check.py on the CPU: its arguments and its refusal without a GPU (the GPU run itself needs one)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT, clean_env
+
+
+def gpu_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args],
+                          env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120)
+
+
+def test_no_gpu_is_refused_in_one_line():
+    r = gpu_check()
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: error: no CUDA GPU here"), r.stderr
+    assert "srun --gres=gpu:1" in lines[0] and "Traceback" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--warmup", "-1"], "--warmup -1 must be 0 or more"),
+    (["--chunks", "3"], "--chunks 3 must divide --batch-size 64"),
+    (["--precision", "fp8"], "invalid choice: 'fp8'"),
+])
+def test_bad_arguments_name_the_value(args, needle):
+    r = gpu_check(*args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
