@@ -373,7 +373,7 @@ def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable
         return train(cfg, trainer, launch, source, cuda)
     except RuntimeError as exc:
         if launch.size > 1 and is_comm_error(exc):
-            raise LostContact(f"task {launch.rank} lost contact with the others ({str(exc).splitlines()[0][:200]}): "
+            raise LostContact(f"task {launch.rank} lost contact with the others ({first_line(exc)[:200]}): "
                               f"a task died or hung, so every task stops instead of waiting for the time limit; "
                               f"start again with --resume to continue from the last checkpoint") from None
         raise
@@ -832,6 +832,11 @@ def save_progress(cfg: argparse.Namespace, trainer: Replica, epoch: int, batch_i
             "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}})
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, for a one-line error (some, like EOFError, have none)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def read_model(path: str) -> dict:
     """The --load file: a state_dict, the page's or ours (the page's own torch.load, weights only)."""
     try:
@@ -840,7 +845,7 @@ def read_model(path: str) -> dict:
         raise RunError(f"--load {path}: no such file") from None
     except Exception as exc:
         raise RunError(f"--load {path} is not a readable model file ({type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0][:120]}); it may be truncated: use an earlier one") from None
+                       f"{first_line(exc)[:120]}); it may be truncated: use an earlier one") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise RunError(f"--load {path} is not a state_dict (what torch.save(model.module.state_dict(), path) "
                        "writes)")
@@ -881,7 +886,7 @@ def resume_point(cfg: argparse.Namespace, trainer: Replica) -> tuple[int, int, i
     try:
         trainer.load(model_state, state["optimizer"] if state else None)
     except (RuntimeError, ValueError, KeyError, IndexError) as exc:
-        raise RunError(f"--load {load} does not fit this model ({str(exc).splitlines()[0][:160]}); rerun "
+        raise RunError(f"--load {load} does not fit this model ({first_line(exc)[:160]}); rerun "
                        f"with the options it was saved with"
                        + (f": {state.get('args')}" if state else "")) from None
     if state is None:
