@@ -483,7 +483,7 @@ def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
                            f"{ntasks}; start it with: srun python {job.trainer} ...")
         return [1]
     placed = step_tasks_per_node(job, caps, ntasks, nodes, findings)
-    if job.step_ntasks is None or job.placement == "possible":  # the step runs the job's shape: judge it
+    if (job.step_ntasks is None and job.step_nodes is None) or job.placement == "possible":  # the job's shape
         check_allocation_shape(job, caps, ntasks, findings)
     return placed
 
