@@ -21,6 +21,7 @@ have (data and cache, checkpoints and resume, stop signals, the JSON record) com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -46,6 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 # The page's Pipe, torch.distributed.pipeline.sync.Pipe, exists up to torch 2.3 (removed in 2.4); fairscale.nn.Pipe
 # is the library it was upstreamed from, same GPipe and arguments, and runs on current torch. --engine picks one
@@ -126,9 +128,11 @@ class Encoder(nn.Module):
         return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.size(1)])
 
 
-def Layer(d_model: int, n_head: int, d_hid: int, dropout: float) -> nn.Module:
-    """One transformer block (batch first: Pipe cuts micro-batches along dim 0)."""
-    return nn.TransformerEncoderLayer(d_model, n_head, d_hid, dropout, batch_first=True)
+def Layer(d_model: int, n_head: int, d_hid: int, dropout: float, checkpointing: bool = False) -> nn.Module:
+    """One transformer block (batch first: Pipe cuts micro-batches along dim 0); with --activation-checkpointing
+    a CheckpointedLayer (below), the same block that recomputes its activations in backward."""
+    block = CheckpointedLayer if checkpointing else nn.TransformerEncoderLayer
+    return block(d_model, n_head, d_hid, dropout, batch_first=True)
 
 
 class Decoder(nn.Module):
@@ -191,7 +195,7 @@ def build_module_list(cfg: argparse.Namespace, plan: check_topology.TaskPlan) ->
     tmp_list = [Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len).to(gpu(first_part))]
     # Add all the model transformer blocks; they will be loaded by the appropriate GPU
     for i in range(cfg.nlayers):
-        transformer_block = Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout)
+        transformer_block = Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout, cfg.activation_checkpointing)
         if i != 0 and layer_part[i] != layer_part[i - 1]:
             module_list.append(nn.Sequential(*tmp_list))
             tmp_list = []
@@ -200,7 +204,8 @@ def build_module_list(cfg: argparse.Namespace, plan: check_topology.TaskPlan) ->
     # The model's head always goes into the last GPU (the checker refuses nlayers < nb_part: no part is empty)
     tmp_list.append(Decoder(cfg.d_model, cfg.d_hid).to(gpu(last_part)))
     module_list.append(nn.Sequential(*tmp_list))
-    return module_list
+    # --precision: each part runs under autocast (Part, below: the same Sequential, the same keys)
+    return [Part(*part, precision=cfg.precision) for part in module_list]
 
 
 class PipeModel(nn.Sequential):
@@ -208,8 +213,10 @@ class PipeModel(nn.Sequential):
 
     It *is* that nn.Sequential for DDP and for state_dict() (keys '0.0.embedding.weight', '1.3.linear1.bias',
     ... whatever the engine), and runs forward through the engine's Pipe, which shares its modules.
-    checkpoint="never" because checkpointing recomputes the forward inside backward, which DDP's hooks don't
-    expect; the price is the memory of every micro-batch's activations.
+    checkpoint="never", as the page says, "so that it can work with DDP": the Pipe's checkpointing is reentrant
+    (a nested backward over each part, once per micro-batch), and DDP refuses a parameter made ready twice in one
+    step (measured: see CheckpointedLayer). The price is every micro-batch's activations, alive until its
+    backward; --activation-checkpointing gets the saving back inside each Layer, in the way DDP supports.
     """
 
     def __init__(self, module_list: list[nn.Sequential], engine: str, chunks: int,
@@ -271,7 +278,10 @@ class Replica:
         # model = Pipe(nn.Sequential(*module_list), chunks=args.chunks, checkpoint="never")
         self.model = PipeModel(build_module_list(cfg, plan), engine, cfg.chunks,
                                [plan.device(i) for i in range(plan.nb_part)])
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        # beyond the page: --zero shards AdamW's state over the replicas; fp16 comes with a GradScaler
+        self.optimizer = make_optimizer(self.model.parameters(), cfg.lr, cfg.zero)
+        self.scaler = make_scaler(cfg.precision, "cpu" if plan.cpu else "cuda")
+        self.memory, self.estimate_gib = memory_estimate(cfg, plan, self.nb_part, self.dp_size)
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.ddp_mp_model: DistributedDataParallel | None = None
 
@@ -279,7 +289,10 @@ class Replica:
         """The page: `model.load_state_dict(torch.load(model_path))` on every process, before DDP wraps it."""
         self.model.load_state_dict(model_state)  # every key, every shape: strict
         if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
+            scaler_state = optimizer_state.pop("grad_scaler", None)
+            self.optimizer.load_state_dict(optimizer_state)  # AdamW's layout, with or without --zero
+            if self.scaler is not None and scaler_state:
+                self.scaler.load_state_dict(scaler_state)
 
     def start(self) -> None:
         # ddp_mp_model = DistributedDataParallel(model): no device_ids / output_device, the module spans
@@ -291,16 +304,24 @@ class Replica:
         # the inputs go to the GPU of first_part, the labels to the GPU of last_part (where the output comes out)
         x, y = x.to(self.first_part_device, non_blocking=True), y.to(self.last_part_device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, logits = forward_backward(self.ddp_mp_model, x, y)
-        self.optimizer.step()
+        loss, logits = forward_backward(self.ddp_mp_model, x, y, self.scaler)
+        if self.scaler is None:
+            self.optimizer.step()
+        else:  # fp16: unscale the gradients, skip the step if one overflowed, adapt the scale
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         return torch.stack([loss * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
 
     def state(self) -> tuple[dict, dict] | None:
         """What rank 0 saves: the page's `model.module.state_dict()` (the whole replica, no 'module.' prefix),
-        copied to the CPU, and the optimizer's state. The other ranks copy nothing (None)."""
+        copied to the CPU, and the optimizer's state. The other ranks copy nothing (None). Under --zero every rank
+        calls it: the optimizer's shards are consolidated on rank 0 first (a collective)."""
+        optimizer = optimizer_state(self.optimizer)
         if idr_torch.rank != 0:
             return None
-        return {k: v.cpu() for k, v in self.ddp_mp_model.module.state_dict().items()}, self.optimizer.state_dict()
+        if self.scaler is not None:
+            optimizer["grad_scaler"] = self.scaler.state_dict()  # resuming fp16 goes on with the same scale
+        return {k: v.cpu() for k, v in self.ddp_mp_model.module.state_dict().items()}, optimizer
 
     # ---- beyond the page: evaluation, timing, memory, the replica check, the record
     @torch.no_grad()
@@ -312,7 +333,7 @@ class Replica:
         return torch.stack([(logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
 
     def describe(self) -> str:
-        return (f"{self.dp_size} replica(s), nb_part {self.nb_part} "
+        return (f"{self.dp_size} replica(s), nb_part {self.nb_part}, {options_text(self.cfg, self.dp_size)} "
                 f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.gpu_ids)} on rank 0), engine "
                 f"{self.engine}: " + " | ".join(f"{self.plan.device(i)}: {c}"
                                                  for i, c in enumerate(self.plan.contents)))
@@ -334,17 +355,19 @@ class Replica:
 
     def record(self) -> dict:
         return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": None,
-                "schedule": "gpipe", "gpus": idr_torch.size * self.nb_part}
+                "schedule": "gpipe", "gpus": idr_torch.size * self.nb_part, "estimated_mem_gb": self.estimate_gib}
 
     def close(self) -> None:
         self.model.close()
 
 
-def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's forward and backward; returns the loss and the logits (detached)."""
+def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's forward and backward; returns the loss and the logits (detached). The loss is computed in fp32
+    whatever --precision; under fp16 the GradScaler scales it before backward."""
     logits = ddp_mp_model(x)
-    loss = F.cross_entropy(logits, y)
-    loss.backward()
+    loss = F.cross_entropy(logits.float(), y)
+    (loss if scaler is None else scaler.scale(loss)).backward()
     return loss.detach(), logits.detach()
 
 
@@ -391,6 +414,115 @@ def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable
 
 
 # ================================================================================================================
+# The page's closing advice as options: mixed precision (--precision), gradient checkpointing
+# (--activation-checkpointing) and ZeRO (--zero). Small pieces, so the memory benchmarks can use them as they are.
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # check_topology.PRECISIONS' names
+
+
+def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """--precision's autocast for code on `device_type` ('cuda' or 'cpu'); fp32: none. Autocast computes in low
+    precision from the fp32 weights, which stay fp32: checkpoints hold fp32 and load into any precision."""
+    dtype = PRECISIONS[precision]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
+
+
+class Part(nn.Sequential):
+    """One part of a replica: the page's nn.Sequential(*tmp_list), same children and state_dict keys, whose
+    forward runs under --precision's autocast. Entered here, in each part, not around the Pipe: the Pipe runs
+    every part in a worker thread of its own, and autocast is per thread (measured with fairscale 0.4.13: a bf16
+    autocast around the Pipe's call leaves its output fp32)."""
+
+    def __init__(self, *modules: nn.Module, precision: str = "fp32") -> None:
+        super().__init__(*modules)
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast(self.precision, x.device.type):
+            return super().forward(x)
+
+
+class CheckpointedLayer(nn.TransformerEncoderLayer):
+    """A Layer for --activation-checkpointing: it keeps only its input for the backward pass and recomputes the
+    rest there. Same parameters and state_dict keys as a plain Layer, so checkpoints move between the two.
+
+    Non-reentrant torch.utils.checkpoint, which DDP supports "without any limitations"; the reentrant kind fails
+    under DDP when a layer is checkpointed more than once per step (the note on gradient checkpointing in
+    torch/nn/parallel/distributed.py). That is also why the Pipe's own checkpoint= must stay "never" under DDP:
+    fairscale's (and torch 2.3's) Checkpoint.backward runs a nested torch.autograd.backward over the recomputed
+    part (fairscale/nn/pipe/checkpoint.py), once per micro-batch, so DDP's hook sees each parameter ready once per
+    micro-batch. Measured here (fairscale 0.4.13, torch 2.13, 2 processes, gloo): checkpoint="always" and
+    "except_last" with chunks 2 fail in the first backward with "Expected to mark a variable ready only once".
+    """
+
+    def forward(self, src: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
+            return super().forward(src, *args, **kwargs)
+        return checkpoint(super().forward, src, *args, use_reentrant=False, **kwargs)
+
+
+def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler | None:
+    """fp16 comes with a GradScaler: its narrow range would flush small gradients to zero, so the loss is scaled
+    up before backward and the gradients down before the step (skipped when they overflowed). bf16 has fp32's
+    range and needs none."""
+    return torch.amp.GradScaler(device_type) if precision == "fp16" else None
+
+
+def make_optimizer(params, lr: float, zero: bool, group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    """AdamW; under --zero the same AdamW in a ZeroRedundancyOptimizer over the data-parallel `group`: each replica
+    keeps the state (exp_avg, exp_avg_sq) of its share of the parameters only, updates that share, and
+    broadcasts it to the others. The same numbers as plain AdamW (tests/test_options.py)."""
+    if not zero:
+        return torch.optim.AdamW(params, lr=lr)
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # here: its module takes seconds to import
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None) -> dict | None:
+    """The whole optimizer state in plain AdamW's layout, so that a checkpoint loads with or without --zero (and
+    in either layout). Under --zero a collective: every rank of `group` sends its shard to the group's rank 0
+    (consolidate_state_dict), which returns the whole; the others return None."""
+    if not hasattr(optimizer, "consolidate_state_dict"):  # not a ZeroRedundancyOptimizer
+        return optimizer.state_dict()
+    optimizer.consolidate_state_dict(to=0)
+    return optimizer.state_dict() if dist.get_rank(group) == 0 else None
+
+
+def training_of(cfg: argparse.Namespace, **layout: object) -> check_topology.Training:
+    """This run's arguments as check_topology sees them on a trainer line (its checks and its memory model)."""
+    model = {k: getattr(cfg, k) for k in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout")}
+    return check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
+                                   engine=getattr(cfg, "engine", "auto"), nb_part=getattr(cfg, "nb_part", None),
+                                   precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                                   zero=cfg.zero, model=model, **layout)
+
+
+def memory_estimate(cfg: argparse.Namespace, plan: check_topology.TaskPlan, nb_part: int, replicas: int,
+                    **layout: object) -> tuple[str, float | None]:
+    """check_topology's estimate of one GPU's peak for this run: the start-up line and the GiB (None where the
+    layout has no model), against this GPU's memory where there is one."""
+    t = training_of(cfg, **layout)
+    model = check_topology.model_args(t)
+    gpu_gib = None if plan.cpu else torch.cuda.get_device_properties(plan.device(0)).total_memory / check_topology.GIB
+    line = check_topology.memory_line(model, t, nb_part, replicas, gpu_gib)
+    if t.layout != "replica":
+        return line, None
+    return line, max(m.total for m in check_topology.estimate_memory(model, t, nb_part, replicas)) / check_topology.GIB
+
+
+def check_precision(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> None:
+    """What only the GPU itself can refuse: bf16 where it has none (V100, compute capability 7.0)."""
+    if cfg.precision == "bf16" and not plan.cpu and torch.cuda.get_device_capability(plan.device(0)) < (8, 0):
+        raise RunError(f"--precision bf16: this GPU ({torch.cuda.get_device_name(plan.device(0))}) has no bf16; use "
+                       "--precision fp16 (autocast with a GradScaler)")
+
+
+def options_text(cfg: argparse.Namespace, replicas: int) -> str:
+    """The page's memory techniques this run uses, for the start-up line."""
+    return (f"precision {cfg.precision}, activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
+            + (f"ZeroRedundancyOptimizer(AdamW) over {replicas} replica(s)" if cfg.zero else "AdamW"))
+
+
+# ================================================================================================================
 # Beyond the page: arguments, data and cache, checks, checkpoints and resume, stop signals, the training loop
 # (shared with bench_stage.py), the replica fingerprint, the JSON record.
 
@@ -411,6 +543,11 @@ def base_parser(doc: str) -> argparse.ArgumentParser:
                              ("--batch-size", int, "samples per step per replica")]:
         key = name[2:].replace("-", "_")
         a(name, type=kind, help=f"{text} (default: GPU {gpu[key]}, CPU {cpu[key]})")
+    a("--precision", choices=check_topology.PRECISIONS, default="fp32",
+      help="autocast: bf16 (A100, H100, CPU), or fp16 with a GradScaler (V100 has no bf16); weights stay fp32")
+    a("--activation-checkpointing", action="store_true",
+      help="each Layer keeps only its input and recomputes the rest in backward (torch.utils.checkpoint)")
+    a("--zero", action="store_true", help="ZeroRedundancyOptimizer: AdamW's state sharded over the replicas")
     a("--epochs", type=int, default=3)
     a("--max-steps", type=int, default=0, help="stop after this many steps in all (0: no limit)")
     a("--warmup-steps", type=int, default=3, help="steps left out of the timing (allocator, autotuning)")
@@ -737,12 +874,12 @@ def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
     """The replica layout's plan and verdict: errors stop us here, before init_process_group."""
     findings = check_topology.Findings()
     plan = task_plan(cuda, cfg.nlayers, cfg.nb_part, findings)
-    training = check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
-                                       engine=cfg.engine, nb_part=cfg.nb_part)
+    training = training_of(cfg)
     check_topology.check_training(plan.nb_part, training, findings, cpu=not cuda)
     for line in check_topology.torch_refusals(torch.__version__, training, cpu=not cuda):  # what this release lacks
         findings.error("torch-release", line)
     verdict(cfg, findings)
+    check_precision(cfg, plan)
     return plan
 
 
@@ -987,6 +1124,7 @@ def train(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, s
         restore_rng(state, rank)
     stop = StopRequest()
     log(f"  model: {trainer.total_params / 1e6:.2f} M parameters; {len(train_loader)} steps per epoch")
+    log(f"  {trainer.memory}")
     history, startup_s = [], None
     for epoch in range(start_epoch, cfg.epochs):
         ep = train_epoch(cfg, trainer, train_loader, epoch, skip, step, stop, world)
@@ -1079,7 +1217,9 @@ def end_of_epoch(cfg: argparse.Namespace, trainer: Replica, test_loader: torch.u
     log(f"epoch {row['epoch']:3d} | steps {row['steps']:5d} | loss {row['loss']:.4f} | train acc "
         f"{row['train_acc']:.3f} | test acc {test_acc:.3f} | {row['epoch_time_s']:7.1f}s | "
         + (f"{samples_per_s:9.1f} samples/s" if samples_per_s else "   (too few steps to time)")
-        + (f" | peak GPU mem {peak_gb:.2f} GiB" if cuda else "") + f" | host RSS {rss_gb:.2f} GiB")
+        + (f" | peak GPU mem {peak_gb:.2f} GiB" if cuda else "")
+        + (f" (estimate {trainer.estimate_gib:.2f})" if cuda and trainer.estimate_gib else "")
+        + f" | host RSS {rss_gb:.2f} GiB")
     return row
 
 
@@ -1119,7 +1259,8 @@ def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, 
                   "nodes": launch.num_nodes, "tasks": launch.size, "tasks_per_node": launch.local_world_size,
                   "world_size": launch.size, "replicas": trainer.dp_size, "chunks": cfg.chunks,
                   "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * trainer.dp_size,
-                  **{k: getattr(cfg, k) for k in ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size")},
+                  **{k: getattr(cfg, k) for k in ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size",
+                                                  "precision", "activation_checkpointing", "zero")},
                   "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
                   "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
                   "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"], "host_rss_gb": history[-1]["host_rss_gb"],

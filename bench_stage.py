@@ -45,9 +45,8 @@ def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
     """A GPU per task; check_topology's verdict on the pipelines and the batch, before any process group."""
     findings = check_topology.Findings()
     plan = bench.task_plan(cuda, cfg.nlayers, 1, findings)
-    training = check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
-                                       layout="stage", pp=cfg.pp, schedule=cfg.schedule,
-                                       virtual_stages=cfg.virtual_stages)
+    training = bench.training_of(cfg, layout="stage", pp=cfg.pp, schedule=cfg.schedule,
+                                 virtual_stages=cfg.virtual_stages)
     launch = idr_torch.current()
     parts = check_topology.check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, training,
                                        findings, cpu=not cuda)
@@ -131,13 +130,16 @@ class Stages:
         self.total_params = sum(p.numel() for m in module_list for p in m.parameters())
         self.modules = {s: module_list[s].to(self.device) for s in self.ids}
         del module_list
-        self.optimizers = {s: torch.optim.AdamW(m.parameters(), lr=cfg.lr) for s, m in self.modules.items()}
+        # --zero: each stage's AdamW sharded over that stage's replicas (the dp group)
+        self.optimizers = {s: bench.make_optimizer(m.parameters(), cfg.lr, cfg.zero, self.mesh["dp"].get_group())
+                           for s, m in self.modules.items()}
+        self.memory, self.estimate_gib = bench.memory_estimate(cfg, plan, self.nb_part, self.dp_size, layout="stage")
         self.schedule = None
 
     def describe(self) -> str:
         contents = check_topology.part_contents(self.cfg.nlayers, self.nb_part)
         return (f"{self.dp_size} pipeline(s) x pp {self.pp} ({self.virtual} stage(s) per task), schedule "
-                f"{self.cfg.schedule}; rank 0 holds " + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
+                f"{self.cfg.schedule}, {bench.options_text(self.cfg, self.dp_size)}; rank 0 holds " + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
                 + f" on {self.device}")
 
     def load(self, model_state: dict, optimizer_state: dict | None) -> None:
@@ -169,9 +171,8 @@ class Stages:
         # and 2.6.0 have none and their gradients are the micro-batches' sum
         self.scales_grads = "scale_grads" in inspect.signature(cls.__init__).parameters
         try:
-            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=F.cross_entropy)
-                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks,
-                                                          loss_fn=F.cross_entropy))
+            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=loss_fn)
+                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks, loss_fn=loss_fn))
         except ValueError as exc:
             raise RunError(f"--schedule {self.cfg.schedule} with --chunks {self.cfg.chunks} and --pp {self.pp}: "
                            f"{exc}") from None
@@ -250,8 +251,11 @@ class Stages:
 
     def state(self) -> tuple[dict, dict] | None:
         """Consolidated on rank 0 (a collective; the other ranks get None): the first pipeline's stages, under
-        bench_ddp_transformer.py's keys, so a checkpoint moves between the layouts."""
-        mine = {s: ({k: v.cpu() for k, v in m.state_dict().items()}, self.optimizers[s].state_dict())
+        bench_ddp_transformer.py's keys, so a checkpoint moves between the layouts. Under --zero each stage's
+        optimizer shards are first consolidated on its dp rank 0 (a collective over the dp group)."""
+        dp_group = self.mesh["dp"].get_group()
+        optimizers = {s: bench.optimizer_state(o, dp_group) for s, o in self.optimizers.items()}
+        mine = {s: ({k: v.cpu() for k, v in m.state_dict().items()}, optimizers[s])
                 for s, m in self.modules.items()} if self.dp_rank == 0 else {}
         everyone: list | None = [None] * dist.get_world_size() if idr_torch.rank == 0 else None
         dist.gather_object(mine, everyone, dst=0, group=bench.HOST_GROUP[0])
@@ -272,13 +276,18 @@ class Stages:
 
     def record(self) -> dict:
         return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": self.pp,
-                "schedule": self.cfg.schedule, "gpus": idr_torch.size}
+                "schedule": self.cfg.schedule, "gpus": idr_torch.size, "estimated_mem_gb": self.estimate_gib}
 
     def close(self) -> None:
         self.schedule = self.eval_schedule = None
         if getattr(self, "watchdog", None):
             self.watchdog.stop()
 
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss in fp32 whatever --precision (the last stage's autocast may give bf16 logits)."""
+    return F.cross_entropy(logits.float(), y)
 
 
 def split_optimizer_state(state: dict, counts: list[int]) -> list[dict]:

@@ -906,6 +906,10 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
                        f"would differ in size; try --chunks {_choices(near)}")
     if t.engine not in ENGINES:
         findings.error("bad-engine", f"--engine={t.engine!r} is not one of {', '.join(ENGINES)}")
+    if t.layout == "stage" and t.precision == "fp16":
+        findings.error("fp16-stage", "--precision fp16 needs a GradScaler around backward, but the stage layout's "
+                       "schedules (torch.distributed.pipelining) run backward themselves; use --precision bf16, or "
+                       "fp16 with bench_ddp_transformer.py (the replica layout)")
     for arg in t.unchecked:
         findings.warn("unchecked-argument", f"{arg} is a shell variable: not checked here; check each value "
                       "with `python check_topology.py ... --nlayers/--chunks/--batch-size N`")
