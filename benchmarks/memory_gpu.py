@@ -50,7 +50,7 @@ class Part(nn.Module):
 def measure(model: dict, precision: str, ckpt: bool, nb_part: int) -> list[int]:
     """Peak bytes allocated per part's device during the second training step."""
     torch.manual_seed(0)
-    cfg = SimpleNamespace(**model)
+    cfg = SimpleNamespace(precision="fp32", activation_checkpointing=False, **model)  # both applied below
     gpus = torch.cuda.device_count()
     plan = check_topology.plan_task(0, 0, 0, 1, [str(i) for i in range(gpus)], gpus, model["nlayers"], nb_part)
     if gpus < nb_part:  # not enough GPUs: every part on cuda:0, compared with the sum of the parts

@@ -156,7 +156,9 @@ def count_step(row: dict, precision: str, ckpt: bool, nlayers: int = 4, vocab: i
     """One real training step of the trainer's model; per part: params, grads, optimizer, saved (bytes)."""
     init_process_group()
     torch.manual_seed(0)
-    cfg = SimpleNamespace(vocab_size=vocab, nlayers=nlayers, dropout=0.0, **row)
+    # the plain fp32 model: the grid applies precision and checkpointing itself, with its counters
+    cfg = SimpleNamespace(vocab_size=vocab, nlayers=nlayers, dropout=0.0, precision="fp32",
+                          activation_checkpointing=False, **row)
     plan = check_topology.plan_task(0, 0, 0, 1, [], None, nlayers, row["nb_part"])
     parts = bench.build_module_list(cfg, plan)
     if ckpt:

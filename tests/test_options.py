@@ -147,7 +147,14 @@ def test_stage_layout_with_zero_and_checkpointing_equals_the_plain_replica_run(t
     stdout = ok(bench(["--pp", "2", "--schedule", "gpipe", *common, "--zero", "--activation-checkpointing",
                        "--save", str(tmp_path / "stage.pt")], ntasks=4, script="bench_stage.py"))
     assert "ZeroRedundancyOptimizer(AdamW) over 2 replica(s)" in stdout and "activation checkpointing on" in stdout
-    assert_same(saved_model(tmp_path / "stage.pt"), saved_model(tmp_path / "replica.pt"), rtol=1e-4, atol=1e-6)
+    stage, plain = saved_model(tmp_path / "stage.pt"), saved_model(tmp_path / "replica.pt")
+    # The key third of in_proj_bias gets no gradient in exact arithmetic (softmax ignores a shift), so each
+    # layout's rounding noise there, normalised by Adam, moves it by up to lr per step (seen: 1.5e-4 after 4
+    # steps, every other value within 1e-6): left out of the comparison.
+    d = 32  # SMALL's --d-model
+    for k in [k for k in plain if k.endswith("in_proj_bias")]:
+        stage[k], plain[k] = torch.cat([stage[k][:d], stage[k][2 * d:]]), torch.cat([plain[k][:d], plain[k][2 * d:]])
+    assert_same(stage, plain, rtol=1e-5, atol=1e-6)
     stage_opt = resume_state(tmp_path / "stage.pt")["optimizer"]
     replica_opt = resume_state(tmp_path / "replica.pt")["optimizer"]
     assert stage_opt["state"].keys() == replica_opt["state"].keys()
