@@ -139,7 +139,8 @@ class Stages:
     def describe(self) -> str:
         contents = check_topology.part_contents(self.cfg.nlayers, self.nb_part)
         return (f"{self.dp_size} pipeline(s) x pp {self.pp} ({self.virtual} stage(s) per task), schedule "
-                f"{self.cfg.schedule}, {bench.options_text(self.cfg, self.dp_size)}; rank 0 holds " + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
+                f"{self.cfg.schedule}, {bench.options_text(self.cfg, self.dp_size)}; rank 0 holds "
+                + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
                 + f" on {self.device}")
 
     def load(self, model_state: dict, optimizer_state: dict | None) -> None:

@@ -6,8 +6,8 @@
 
 Reads the JSON lines bench_ddp_transformer.py --json-out appends (one per run). Runs of the same
 configuration (split, batch, chunks, --precision, --activation-checkpointing, --zero) are merged (median
-samples/s); memory stands beside throughput: measured peak and the start-up estimate. matplotlib is optional: without it the tables are still written
-and the report says why there is no plot.
+samples/s); memory stands beside throughput: measured peak and the start-up estimate. matplotlib is optional:
+without it the tables are still written and the report says why there is no plot.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def markdown(rows: list[dict], title: str) -> str:
                 "samples/s", "",
                 "| ntasks | nb_part | layout | batch/GPU | batch/replica | chunks | precision | act. ckpt | zero "
                 f"| samples/s | {mem} (GiB) | estimate (GiB/GPU) | s/epoch | test acc | runs |",
-                "| ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "| ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- " + "| ---: " * 6 + "|"]
         for r in group:
             out.append(f"| {r['tasks']} | {r['nb_part']} | {r['kind']} "
                        f"| {r['batch_per_gpu']} | {r['batch_size']} | {r['chunks']} | {r['precision']} | "

@@ -188,7 +188,7 @@ def test_sweep_runs_every_count_as_a_step_of_one_job(slurm_cluster, workdir):
     shutil.copy(ROOT / "slurm" / "sweep_steps.sh", workdir / "slurm")
     shutil.copy(ROOT / "slurm" / "sweep_4gpus.slurm", workdir / "slurm")
     r = run(["sbatch", "--wait", "--parsable", "slurm/sweep_4gpus.slurm"], slurm_cluster, workdir, timeout=600,
-            BATCH_PER_GPU="4", CHUNKS="1", MODEL="--nlayers 4 --d-model 32 --d-hid 64 --seq-len 32",
+            BATCH_PER_GPU="4", CHUNKS="1", ZERO="off on", MODEL="--nlayers 4 --d-model 32 --d-hid 64 --seq-len 32",
             EXTRA=f"--synthetic 200 --cache-dir {workdir}")
     job = r.stdout.strip().split(";")[0]
     out, err = read_job_files(workdir, "sweep_4gpus", job) if job else ("", r.stderr)
@@ -196,12 +196,13 @@ def test_sweep_runs_every_count_as_a_step_of_one_job(slurm_cluster, workdir):
     assert re.search(r"^skip ntasks=3: ERROR +gpus-not-divisible", out, re.M), out
     assert "failed:" not in out, out + err[-3000:]
     records = [json.loads(line) for line in (workdir / "sweep_results.jsonl").read_text().splitlines()]
-    got = sorted((x["tasks_per_node"], x["nb_part"]) for x in records)
-    assert got == [(1, 4), (2, 2), (4, 1)], got
+    got = sorted((x["tasks_per_node"], x["nb_part"], x["zero"]) for x in records)  # --zero: a dimension
+    assert got == [(1, 4, False), (2, 2, False), (2, 2, True), (4, 1, False), (4, 1, True)], got
     assert {x["job_id"] for x in records} == {job}  # one allocation, queued once
     # each step asked for its own tasks per node and cores per task: 40 cores / tasks (the template's set -x)
     asked = sorted(set(re.findall(r"^\++ srun --ntasks-per-node=(\d) -n (\d) -c (\d+) python", err, re.M)))
     assert asked == [("1", "1", "40"), ("2", "2", "20"), ("4", "4", "10")], err[-3000:]
+    assert "skip: ntasks=1 --zero (one replica: nothing to shard)" in out
 
 
 def test_cluster_stops_without_leftovers(tmp_path_factory):
