@@ -31,14 +31,14 @@ def ok(results: list[subprocess.CompletedProcess]) -> str:
 
 
 def saved_model(path: Path) -> dict[str, torch.Tensor]:
-    """The replica's weights in the --save file."""
-    state = torch.load(path, weights_only=False)
-    return state["model"] if "format" in state else state
+    """The --save file: what the page loads with model.load_state_dict(torch.load(path))."""
+    return torch.load(path, weights_only=True)
 
 
 def resume_state(path: Path) -> dict:
-    """What --resume reads besides the model: optimizer, scaler, epoch, step."""
-    return torch.load(path, weights_only=False)
+    """What --resume reads besides the model (its companion file): optimizer (and GradScaler), epoch, step."""
+    import bench_ddp_transformer as b
+    return torch.load(b.resume_file(str(path)), weights_only=False)
 
 
 def replica(args: list[str]) -> torch.nn.Sequential:
