@@ -155,6 +155,7 @@ CATCHES = {
     "does-not-fit": ("error", "a part's estimated peak memory above the GPU's"),
     "memory-tight": ("warning", "a part's estimated peak memory close to the GPU's"),
     "bf16-on-v100": ("error", "--precision bf16 on V100 GPUs, which have no bf16"),
+    "fp16-stage": ("error", "--precision fp16 in the stage layout, whose schedules leave no place for a GradScaler"),
     # the model and the pipeline
     "nlayers-below-nb-part": ("error", "fewer layers than GPUs per task"),
     "nlayers-not-multiple": ("warning", "layers not a multiple of GPUs per task"),
