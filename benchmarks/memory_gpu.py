@@ -7,8 +7,8 @@
 Each configuration runs the trainer's model (bench_ddp_transformer.build_module_list) through the trainer's Pipe
 (fairscale, checkpoint="never") inside DDP (nccl, one process) with AdamW, two steps; the peak of the second step
 (optimizer state already there, as in every later step) is compared with the estimate without its allowance
-(the CUDA context is not in max_memory_allocated, and the allocator's slack is not either). Precision: autocast
-entered in each part's forward (the Pipe runs parts in worker threads, where an outer autocast does not reach).
+(the CUDA context is not in max_memory_allocated, and the allocator's slack is not either). Precision and
+checkpointing: the trainer's own --precision and --activation-checkpointing.
 Not run yet: no GPU machine was lent to this work; the README says so.
 """
 from __future__ import annotations
@@ -24,42 +24,24 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import bench_ddp_transformer as bench  # noqa: E402
 import check_topology  # noqa: E402
-from memory_grid import checkpoint_layers  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class Part(nn.Module):
-    def __init__(self, part: nn.Sequential, precision: str) -> None:
-        super().__init__()
-        self.part, self.precision = part, precision
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.precision == "fp32":
-            return self.part(x)
-        with torch.autocast("cuda", dtype=DTYPES[self.precision]):
-            return self.part(x)
 
 
 def measure(model: dict, precision: str, ckpt: bool, nb_part: int) -> list[int]:
     """Peak bytes allocated per part's device during the second training step."""
     torch.manual_seed(0)
-    cfg = SimpleNamespace(precision="fp32", activation_checkpointing=False, **model)  # both applied below
+    cfg = SimpleNamespace(precision=precision, activation_checkpointing=ckpt, **model)  # the trainer's options
     gpus = torch.cuda.device_count()
     plan = check_topology.plan_task(0, 0, 0, 1, [str(i) for i in range(gpus)], gpus, model["nlayers"], nb_part)
     if gpus < nb_part:  # not enough GPUs: every part on cuda:0, compared with the sum of the parts
         plan.devices = [0] * nb_part
     parts = bench.build_module_list(cfg, plan)
-    if ckpt:
-        checkpoint_layers(parts)
     devices = [plan.device(i) for i in range(nb_part)]
-    pipe = bench.PipeModel([Part(p, precision) for p in parts], "fairscale", model["chunks"], devices)
+    pipe = bench.PipeModel(parts, "fairscale", model["chunks"], devices)
     try:
         ddp = DistributedDataParallel(pipe)
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)

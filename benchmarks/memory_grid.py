@@ -13,14 +13,13 @@ DistributedDataParallel (gloo, one process), and takes one AdamW step. It counts
     params); the peak of what is alive at once. With activation checkpointing, plus the working set of one
     Layer recomputed on one micro-batch (what autograd saves when that Layer runs without checkpointing);
   - params, grads (after backward), optimizer (AdamW's state tensors after the step).
-Precision: torch.autocast("cpu", bfloat16) entered in each part's forward; checkpointing: non-reentrant
-torch.utils.checkpoint around each Layer. The terms not counted here (DDP buckets, the allowance, the logits)
+Precision and checkpointing are the trainer's own --precision (bench_ddp_transformer.Part: autocast in each
+part's forward) and --activation-checkpointing (CheckpointedLayer: non-reentrant torch.utils.checkpoint). The terms not counted here (DDP buckets, the allowance, the logits)
 are stated formulas, compared on a GPU by benchmarks/memory_gpu.py.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import os
 import sys
@@ -36,7 +35,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import bench_ddp_transformer as bench  # noqa: E402
 import check_topology  # noqa: E402
@@ -100,37 +98,16 @@ class Saved:
         self.counter.release(self.key)
 
 
-def autocast(precision: str) -> contextlib.AbstractContextManager:
-    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-
-
 class Counted(nn.Module):
-    """One part: its forward under the part's counter (and autocast), in whichever thread the Pipe runs it."""
+    """One part under the part's counter, in whichever thread the Pipe runs it (the part enters its own autocast)."""
 
-    def __init__(self, part: nn.Sequential, counter: Counter, precision: str) -> None:
+    def __init__(self, part: nn.Sequential, counter: Counter) -> None:
         super().__init__()
-        self.part, self.counter, self.precision = part, counter, precision
+        self.part, self.counter = part, counter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.counter.hooks(), autocast(self.precision):
+        with self.counter.hooks():
             return self.part(x)
-
-
-class Checkpointed(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.layer, x, use_reentrant=False)
-
-
-def checkpoint_layers(parts: list[nn.Sequential]) -> None:
-    """Wrap every Layer of every part in non-reentrant checkpointing, in place."""
-    for part in parts:
-        for i, m in enumerate(part):
-            if isinstance(m, nn.TransformerEncoderLayer):
-                part[i] = Checkpointed(m)
 
 
 def init_process_group() -> None:
@@ -143,11 +120,12 @@ def nbytes(tensors: list[torch.Tensor]) -> int:
 
 
 def recompute_bytes(layer: nn.Module, micro: int, cfg: SimpleNamespace, precision: str, skip: set[int]) -> int:
-    """What one Layer saves on one micro-batch when it runs without checkpointing (its recomputation)."""
+    """What one checkpointed Layer saves on one micro-batch when it runs without checkpointing (its
+    recomputation): the plain TransformerEncoderLayer forward of the same module."""
     counter = Counter(skip)
     x = torch.randn(micro, cfg.seq_len, cfg.d_model, requires_grad=True)
-    with counter.hooks(), autocast(precision):
-        y = layer(x)
+    with counter.hooks(), bench.autocast(precision, "cpu"):
+        y = nn.TransformerEncoderLayer.forward(layer, x)
     del y
     return counter.peak
 
@@ -156,16 +134,13 @@ def count_step(row: dict, precision: str, ckpt: bool, nlayers: int = 4, vocab: i
     """One real training step of the trainer's model; per part: params, grads, optimizer, saved (bytes)."""
     init_process_group()
     torch.manual_seed(0)
-    # the plain fp32 model: the grid applies precision and checkpointing itself, with its counters
-    cfg = SimpleNamespace(vocab_size=vocab, nlayers=nlayers, dropout=0.0, precision="fp32",
-                          activation_checkpointing=False, **row)
+    cfg = SimpleNamespace(vocab_size=vocab, nlayers=nlayers, dropout=0.0, precision=precision,
+                          activation_checkpointing=ckpt, **row)  # the trainer's own options
     plan = check_topology.plan_task(0, 0, 0, 1, [], None, nlayers, row["nb_part"])
     parts = bench.build_module_list(cfg, plan)
-    if ckpt:
-        checkpoint_layers(parts)
     skip = {p.untyped_storage().data_ptr() for part in parts for p in part.parameters()}
     counters = [Counter(skip) for _ in parts]
-    model = bench.PipeModel([Counted(p, c, precision) for p, c in zip(parts, counters)], "fairscale",
+    model = bench.PipeModel([Counted(p, c) for p, c in zip(parts, counters)], "fairscale",
                             row["chunks"], ["cpu"] * len(parts))
     try:
         ddp = DistributedDataParallel(model)
@@ -179,7 +154,7 @@ def count_step(row: dict, precision: str, ckpt: bool, nlayers: int = 4, vocab: i
         out = []
         for part, counter in zip(parts, counters):
             ps = list(part.parameters())
-            layers = [m.layer for m in part if isinstance(m, Checkpointed)]
+            layers = [m for m in part if isinstance(m, bench.CheckpointedLayer)]
             recompute = max((recompute_bytes(m, micro, cfg, precision, skip) for m in layers), default=0)
             state = [v for p in ps for v in optimizer.state[p].values() if v.numel() == p.numel()]
             out.append(dict(params=nbytes(ps), grads=nbytes([p.grad for p in ps if p.grad is not None]),
