@@ -931,6 +931,10 @@ def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None
         findings.error("pp-too-small", f"--pp {pp}: a pipeline needs at least 2 stages; for pure data parallel "
                        "use bench_ddp_transformer.py --nb-part 1")
         return max(pp, 1) * v
+    if world < pp:
+        findings.error("pp-not-dividing-world", f"--pp {pp} needs at least {pp} tasks, one per stage (got {world}); "
+                       f"launch {pp} or a multiple of {pp} (srun -n, torchrun --nproc-per-node)")
+        return pp * v
     if world % pp:
         findings.error("pp-not-dividing-world", f"--pp {pp} must divide the world size ({world} tasks) into whole "
                        f"pipelines; try --pp {_choices(d for d in divisors(world) if d > 1)}")

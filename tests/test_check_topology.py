@@ -385,6 +385,15 @@ def test_stage_layout_findings(kw, code, level):
     assert (code, level) in found, found
 
 
+def test_stage_layout_fewer_tasks_than_stages():
+    """One task for --pp 2 (e.g. a plain `python bench_stage.py --pp 2`): one error with the count, no advice."""
+    report = stage_report(nodes=1, tpn=1, pp=2)
+    errors = [f for f in report.findings if f.level == "error"]
+    assert [f.code for f in errors] == ["pp-not-dividing-world"], [str(f) for f in report.findings]
+    assert "needs at least 2 tasks" in errors[0].message and "(got 1)" in errors[0].message
+    assert "none" not in " ".join(f.message for f in report.findings)
+
+
 def test_stage_layout_from_sbatch_line(tmp_path):
     script = tmp_path / "stage.slurm"
     script.write_text("#!/bin/bash\n#SBATCH -C v100-32g -N 2 --gres=gpu:4 --ntasks-per-node=4 -c 10 "
