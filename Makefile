@@ -53,8 +53,8 @@ budget: venv lane-2.3.1
 GPU_PYTHON ?= $(PY)
 gpu-check:
 	mkdir -p report
-	$(GPU_PYTHON) benchmarks/gpu_check.py --json-out report/gpu_check.jsonl
-	$(GPU_PYTHON) benchmarks/memory_gpu.py
+	$(GPU_PYTHON) benchmarks/gpu_check.py --json-out report/gpu_check.jsonl; s=$$?; \
+	 $(GPU_PYTHON) benchmarks/memory_gpu.py || exit $$?; exit $$s
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt

@@ -200,7 +200,8 @@ def build_module_list(cfg: argparse.Namespace, plan: check_topology.TaskPlan) ->
             module_list.append(nn.Sequential(*tmp_list))
             tmp_list = []
         device = layer_part[i]
-        tmp_list.append(transformer_block.to(gpu(first_part + device)))
+        # page: .to(first_part + device); plan.devices[device] is that GPU (or the one --devices names)
+        tmp_list.append(transformer_block.to(gpu(plan.devices[device] if plan.devices else first_part + device)))
     # The model's head always goes into the last GPU (the checker refuses nlayers < nb_part: no part is empty)
     tmp_list.append(Decoder(cfg.d_model, cfg.d_hid).to(gpu(last_part)))
     module_list.append(nn.Sequential(*tmp_list))
@@ -573,6 +574,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"per node; CPU {check_topology.CPU_NB_PART})")
     p.add_argument("--engine", choices=check_topology.ENGINES, default="auto",
                    help="auto: torch-pipe on torch <= 2.3, else fairscale")
+    p.add_argument("--devices", help="visible GPU index of each part instead of the page's indexing; 0,0 puts both "
+                   "parts on one GPU (benchmarks/gpu_check.py on a one-GPU node)")
     return p.parse_args(argv)
 
 
@@ -837,8 +840,8 @@ def resolve(cfg: argparse.Namespace, cuda: bool) -> None:
         raise RunError(f"--dropout {cfg.dropout} must be in [0, 1)")
 
 
-def task_plan(cuda: bool, nlayers: int, nb_part: int | None, findings: check_topology.Findings
-              ) -> check_topology.TaskPlan:
+def task_plan(cuda: bool, nlayers: int, nb_part: int | None, findings: check_topology.Findings,
+              devices: list[int] | None = None) -> check_topology.TaskPlan:
     """This task's plan from check_topology, from what idr_torch says this task sees."""
     launch = idr_torch.current()
     if cuda:
@@ -847,7 +850,7 @@ def task_plan(cuda: bool, nlayers: int, nb_part: int | None, findings: check_top
     else:  # CPU fallback: mirror the layout of the GPUs Slurm gave (if any), every part on the CPU
         visible = launch.visible_gpus
     plan = check_topology.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size,
-                                    visible, launch.gpus_on_node, nlayers, nb_part, findings)
+                                    visible, launch.gpus_on_node, nlayers, nb_part, findings, devices)
     plan.cpu = plan.cpu or not cuda
     return plan
 
@@ -873,7 +876,8 @@ def verdict(cfg: argparse.Namespace, findings: check_topology.Findings) -> None:
 def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
     """The replica layout's plan and verdict: errors stop us here, before init_process_group."""
     findings = check_topology.Findings()
-    plan = task_plan(cuda, cfg.nlayers, cfg.nb_part, findings)
+    devices = None if cfg.devices is None else check_topology.parse_devices(cfg.devices, "this task", findings)
+    plan = task_plan(cuda, cfg.nlayers, cfg.nb_part, findings, devices)
     training = training_of(cfg)
     check_topology.check_training(plan.nb_part, training, findings, cpu=not cuda)
     for line in check_topology.torch_refusals(torch.__version__, training, cpu=not cuda):  # what this release lacks

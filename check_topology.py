@@ -51,6 +51,9 @@ ENGINES = ("auto", "torch-pipe", "fairscale")
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
              "loopedbfs": "ScheduleLoopedBFS"}
 TRAINERS = {"bench_ddp_transformer.py": "replica", "bench_stage.py": "stage"}  # the script sets the layout
+# arguments each trainer's argparse refuses (the other layout's): the checker must not approve a line that can't start
+NOT_ARGS = {"replica": ("--layout", "--pp", "--schedule", "--virtual-stages"),
+            "stage": ("--layout", "--nb-part", "--engine", "--devices")}
 MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
 
 # Jean Zay's GPU nodes, by partition and by constraint (-C): GPUs and cores per node. Memory is granted per
@@ -111,7 +114,7 @@ CATCHES = {
     "pbs-directive": ("error", "#PBS / #BSUB lines, which sbatch also reads, without --ignore-pbs"),
     "hetjob": ("warning", "a heterogeneous job, whose components are checked as one"),
     "node-range": ("warning", "--nodes=MIN-MAX: the plan assumes MIN"),
-    "no-trainer-line": ("warning", "no bench_ddp_transformer.py line: the defaults are checked"),
+    "no-trainer-line": ("warning", "no trainer line (bench_ddp_transformer.py or bench_stage.py): the defaults are checked"),
     "unchecked-argument": ("warning", "a trainer argument given as a shell variable"),
     # tasks and their placement
     "trainer-without-srun": ("error", "a trainer line without srun in a job of several tasks or nodes (one process runs)"),
@@ -134,6 +137,8 @@ CATCHES = {
     "gpus-not-divisible": ("error", "GPUs per node not divisible by tasks per node"),
     "more-tasks-than-gpus": ("error", "more tasks per node than GPUs: nb_part = 0"),
     "gpu-index-past-visible": ("error", "a task would use a GPU index past what it sees (the first such index)"),
+    "devices-count": ("error", "--devices does not give one GPU index per part"),
+    "parts-share-gpu": ("warning", "--devices puts several parts on one GPU (a one-GPU check, not a speed figure)"),
     "gpu-shared": ("error", "two tasks of a node on one GPU"),
     "gpus-idle": ("warning", "GPUs nobody uses (how many, which)"),
     "gpus-per-task-cgroup": ("warning", "--gpus-per-task: per-task GPU cgroups hide NVLink from NCCL"),
@@ -163,7 +168,8 @@ CATCHES = {
     "chunks-not-dividing-batch": ("error", "chunks not dividing the batch per replica"),
     "pipeline-bubble": ("warning", "chunks < 4 x nb_part: the bubble fraction and the chunks that bring it under 20 %"),
     "bad-engine": ("error", "an --engine the trainer does not have"),
-    "bad-layout": ("error", "a --layout the trainer does not have"),
+    "bad-layout": ("error", "an argument the trainer's script does not have: --layout, or the other layout's "
+                   "(--pp on bench_ddp_transformer.py, --nb-part on bench_stage.py)"),
     "bad-schedule": ("error", "a --schedule the stage layout does not have"),
     "pp-too-small": ("error", "stage layout: --pp below 2"),
     "pp-not-dividing-world": ("error", "stage layout: --pp not dividing the tasks"),
@@ -275,13 +281,15 @@ def page_indexing(local_rank: int, tasks_on_node: int, visible: int) -> tuple[in
 
 def plan_task(rank: int, node: int, local_rank: int, tasks_on_node: int, visible: Sequence[str],
               gpus_on_node: int | None, nlayers: int, nb_part: int | None = None,
-              findings: Findings | None = None) -> TaskPlan:
+              findings: Findings | None = None, devices: Sequence[int] | None = None) -> TaskPlan:
     """Plan one task from what it sees.
 
     visible      the GPU ids this process can use, in CUDA order (CUDA_VISIBLE_DEVICES); [] means CPU only
     gpus_on_node GPUs Slurm gave the step on this node (SLURM_GPUS_ON_NODE); None when unknown (torchrun):
                  when it exceeds what the task sees, Slurm bound GPUs per task and the plan starts at index 0.
     nb_part      an explicit --nb-part, else derived as on the page.
+    devices      an explicit --devices: the visible GPU index of each part (0,0 puts two parts on one GPU, for a
+                 one-GPU check of nb_part 2); None: the page's indexing.
     """
     findings = Findings() if findings is None else findings
     where = f"task {rank} (node {node}, local rank {local_rank})"
@@ -300,7 +308,10 @@ def plan_task(rank: int, node: int, local_rank: int, tasks_on_node: int, visible
                        f"{where}: {tasks_on_node} tasks share {len(visible)} visible GPU(s): nb_part = "
                        f"{len(visible)} // {tasks_on_node} = 0; use --ntasks-per-node <= {len(visible)}")
         return TaskPlan(rank, node, local_rank, tasks_on_node, 0, [], [], bound, nlayers, visible=len(visible))
-    devices = list(range(first, first + n))
+    if devices:
+        devices, n = explicit_devices(where, devices, nb_part, findings)
+    else:
+        devices = list(range(first, first + n))
     past = [d for d in devices if d >= len(visible)]
     if past:
         findings.error("gpu-index-past-visible",
@@ -313,6 +324,25 @@ def plan_task(rank: int, node: int, local_rank: int, tasks_on_node: int, visible
         devices = [d for d in devices if d < len(visible)]
     return TaskPlan(rank, node, local_rank, tasks_on_node, n, devices, [visible[d] for d in devices], bound,
                     nlayers, visible=len(visible))
+
+
+def explicit_devices(where: str, devices: Sequence[int], nb_part: int | None,
+                     findings: Findings) -> tuple[list[int], int]:
+    """--devices: one visible GPU index per part. Parts may share a GPU (then they run one after the other and
+    their memory adds up): that is for checking nb_part > 1 on a one-GPU node, not for speed."""
+    devices = list(devices)
+    n = nb_part or len(devices)
+    if len(devices) != n:
+        findings.error("devices-count", f"{where}: --devices {','.join(map(str, devices))} lists {len(devices)} "
+                       f"GPU(s) for nb_part {n}: give one index per part, e.g. --devices "
+                       f"{','.join(str(i % max(len(devices), 1)) for i in range(n))}")
+        devices = (devices * n)[:n]
+    shared = sorted({d for d in devices if devices.count(d) > 1})
+    if shared:
+        findings.warn("parts-share-gpu", f"{where}: --devices {','.join(map(str, devices))} puts several parts on "
+                      f"GPU {','.join(map(str, shared))}: they run one after the other and their memory adds up "
+                      f"(a one-GPU check of the pipeline, not a speed figure)")
+    return devices, n
 
 
 # ---- the job: what it asks for --------------------------------------------------------------------------------
@@ -367,6 +397,7 @@ class Training:
     activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
     zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
     model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
+    devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
     unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
 
 
@@ -813,6 +844,16 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
         return None  # chunks/batch already reported by check_training
     worst = max(parts, key=lambda m: m.total)
     line = format_memory(parts, gib) + f" ({source})"
+    shared = shared_gpu_memory(parts, t.devices)
+    if shared:  # --devices 0,0: the parts on one GPU add up (one CUDA context and allocator allowance between them)
+        gpu, on_it, total = shared
+        line += f"; GPU {gpu} holds parts {','.join(map(str, on_it))}: {total / GIB:.2f} GiB in all"
+        if total / GIB > gib:
+            findings.error("does-not-fit", f"--devices {','.join(map(str, t.devices))} puts parts "
+                           f"{','.join(map(str, on_it))} on GPU {gpu}: an estimated {total / GIB:.1f} GiB in all, "
+                           f"but the GPU has {gib:.1f} GiB ({source}); give each part its own GPU, or a smaller "
+                           f"--batch-size or --activation-checkpointing")
+            return line
     if worst.total / GIB <= gib:
         if worst.total / GIB > 0.9 * gib:
             findings.warn("memory-tight", f"part {worst.part} ({worst.contents}) is estimated at "
@@ -827,6 +868,18 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
                    f"micro-batch until its backward, so more --chunks do not help. Fixes, each estimated: "
                    + "; ".join(fixes))
     return line
+
+
+def shared_gpu_memory(parts: list[PartMemory], devices: list[int] | None) -> tuple[int, list[int], int] | None:
+    """The GPU that holds the most bytes when --devices puts several parts on it: (GPU, its parts, bytes)."""
+    if not devices or len(set(devices)) == len(devices) or len(devices) != len(parts):
+        return None
+    per_gpu: dict[int, list[int]] = {}
+    for part, gpu in enumerate(devices):
+        per_gpu.setdefault(gpu, []).append(part)
+    gpu, on_it = max(per_gpu.items(), key=lambda kv: sum(parts[p].total for p in kv[1]))
+    total = sum(parts[p].total for p in on_it) - int((len(on_it) - 1) * ALLOWANCE_GIB * GIB)
+    return gpu, on_it, total
 
 
 def bubble(nb_part: int, chunks: int) -> float:
@@ -1369,7 +1422,7 @@ def check_job(job: Job, training: Training) -> Report:
         for local in range(tasks):
             visible = gpu_view(job, local, tasks, gpn, findings) if gpn else []
             plans.append(plan_task(len(plans), node, local, tasks, visible, gpn, training.nlayers,
-                                   training.nb_part, findings))
+                                   training.nb_part, findings, training.devices))
     _dedupe(findings)
     report = Report(job, training, plans, findings)
     check_node_usage(report)
@@ -1382,8 +1435,6 @@ def check_job(job: Job, training: Training) -> Report:
             check_bubble(min(nb_parts), training, findings)
         line = check_memory(job, training, min(nb_parts), len(plans), max(tasks_per_node), findings) if gpn else None
         report.notes += [line] if line else []
-    if training.layout not in ("replica", "stage"):
-        findings.error("bad-layout", f"--layout {training.layout!r} is not replica or stage")
     check_engine(job, training, findings)
     check_gpu_cgroups(job, tasks_per_node, gpn, findings)
     check_cpus(job, min(nb_parts) if nb_parts else 1, tasks_per_node, findings)
@@ -1405,7 +1456,7 @@ def check_node_usage(report: Report) -> None:
     for node, plans in sorted(by_node.items()):
         owners: dict[str, list[int]] = {}
         for p in plans:
-            for g in p.gpu_ids:
+            for g in dict.fromkeys(p.gpu_ids):  # a task's own parts may share a GPU (--devices 0,0)
                 owners.setdefault(g, []).append(p.rank)
         shared = {g: r for g, r in owners.items() if len(r) > 1}
         if shared:
@@ -1686,10 +1737,23 @@ def check_gpu_bind(value: str, where: str, findings: Findings) -> None:
                    "(closest, map_gpu:, mask_gpu:, per_task:, single:, none)")
 
 
+def parse_devices(value: str, where: str, findings: Findings) -> list[int] | None:
+    """--devices 0,0: visible GPU indices, one per part."""
+    try:
+        devices = [int(x) for x in value.split(",")]
+        if min(devices) < 0:
+            raise ValueError
+        return devices
+    except ValueError:
+        findings.error("bad-value", f"{where}: --devices {value!r} must be GPU indices separated by commas, "
+                       "one per part, e.g. --devices 0,0")
+        return None
+
+
 def training_from_argv(argv: list[str], t: Training, where: str, findings: Findings) -> None:
     """The trainer's own arguments on its srun line (only the ones the plan depends on)."""
     names = {"--nlayers": "nlayers", "--chunks": "chunks", "--batch-size": "batch_size", "--nb-part": "nb_part",
-             "--engine": "engine", "--layout": "layout", "--pp": "pp", "--schedule": "schedule",
+             "--engine": "engine", "--pp": "pp", "--schedule": "schedule",
              "--virtual-stages": "virtual_stages", "--precision": "precision"}
     model = {"--d-model": "d_model", "--n-head": "n_head", "--d-hid": "d_hid", "--seq-len": "seq_len",
              "--vocab-size": "vocab_size", "--dropout": "dropout"}
@@ -1702,6 +1766,10 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
         if tok in ("--activation-checkpointing", "--zero"):  # flags: no value
             setattr(t, tok[2:].replace("-", "_"), True)
             continue
+        if name == "--devices":
+            value, i = (value, i) if eq else (argv[i] if i < len(argv) else "", i + 1)
+            t.devices = parse_devices(value, where, findings)
+            continue
         if name not in names:
             continue
         if not eq:
@@ -1713,7 +1781,7 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
         if "$" in value:
             t.unchecked.append(f"{where}: {name} {value}")
             continue
-        if attr in ("engine", "layout", "schedule", "precision"):
+        if attr in ("engine", "schedule", "precision"):
             if attr == "precision" and value not in PRECISIONS:
                 findings.error("bad-value", f"{where}: --precision {value!r} is not one of {', '.join(PRECISIONS)}")
                 continue
@@ -1759,7 +1827,13 @@ def read_trainer_line(line: str, script: str, where: str, job: Job, training: Tr
         options, _command = parse_options(launcher[at + 1:], where, findings, prog="srun")
         for name, value in options:
             apply_srun_option(job, name, value, where, findings)
-    training_from_argv(argv[cut + 1:], training, where, findings)
+    other = [a.partition("=")[0] for a in argv[cut + 1:] if a.partition("=")[0] in NOT_ARGS[training.layout]]
+    if other:
+        fix = ("use bench_stage.py for the stage layout" if training.layout == "replica"
+               else "use bench_ddp_transformer.py for the replica layout")
+        findings.error("bad-layout", f"{where}: {script} has no {', '.join(other)} (its argparse refuses the line); "
+                       f"{fix}")
+    training_from_argv([a for a in argv[cut + 1:] if a.partition("=")[0] != "--layout"], training, where, findings)
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:
@@ -1830,7 +1904,7 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
         if in_header and line.startswith(("#PBS", "#BSUB")):
             foreign.append((where, stripped))
             continue
-        if re.match(r"#\s*SBATCH", stripped, re.I):
+        if re.match(r"#\s*SBATCH\s*-", stripped, re.I):  # a directive gone wrong, not a comment that says sbatch
             findings.warn("ignored-directive", f"{where}: '{stripped}' is not read by sbatch (a directive is "
                           "'#SBATCH', in capitals, from column 0): write it as '#SBATCH ...' at the start of the line")
             continue
@@ -1889,7 +1963,7 @@ def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
     findings = Findings()
     plan = plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, visible,
                      launch.gpus_on_node, training.nlayers or (GPU_DEFAULTS if visible else CPU_DEFAULTS)["nlayers"],
-                     1 if training.layout == "stage" else training.nb_part, findings)
+                     1 if training.layout == "stage" else training.nb_part, findings, training.devices)
     try:
         import psutil
         affinity = len(psutil.Process().cpu_affinity())
@@ -2028,6 +2102,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, help="per replica (task)")
     train.add_argument("--engine", choices=ENGINES)
     train.add_argument("--nb-part", type=int, help="GPUs per replica (default: derived as on the page)")
+    train.add_argument("--devices", help="visible GPU index of each part, e.g. 0,0 (two parts on one GPU)")
     train.add_argument("--layout", choices=("replica", "stage"))
     train.add_argument("--pp", type=int, help="stage layout: tasks per pipeline")
     train.add_argument("--schedule", choices=SCHEDULES)
@@ -2098,6 +2173,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("precision", "activation_checkpointing", "zero"):
             if getattr(args, name) is not None:
                 setattr(t, name, getattr(args, name))
+        if args.devices is not None:
+            bad = Findings()
+            t.devices = parse_devices(args.devices, "command line", bad)
+            if bad:
+                raise UsageError(bad[0].message)
         return t  # nlayers left None: check_job / task_facts take the trainer's default for GPU or CPU
 
     try:

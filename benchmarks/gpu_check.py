@@ -4,8 +4,8 @@
     srun --gres=gpu:1 -n 1 python benchmarks/gpu_check.py             # or `make gpu-check` on the node
     python benchmarks/gpu_check.py --steps 40 --json-out report/gpu_check.jsonl
 
-Rows: the replica layout with nb_part 1, and with nb_part 2 where the node shows 2 GPUs (on one GPU that row says
-so), in fp32 and, where the trainer has --precision, in bf16. Each row runs the full script (bench_ddp_transformer.py,
+Rows: the replica layout with nb_part 1 and with nb_part 2 (on a one-GPU node both parts on GPU 0, the trainer's
+--devices 0,0, which the checker knows as parts-share-gpu), in fp32 and bf16. Each row runs the full script (bench_ddp_transformer.py,
 nccl, one task) and then a bare loop on the same model, micro-batches and optimizer on the same GPU(s) in the same
 process run: plain forward/backward per micro-batch, one AdamW step, no Pipe, no DDP. ratio = script samples/s /
 bare samples/s; the goal is >= 0.95. One table out, and one JSON line per row (the trainer's record plus the bare
@@ -49,17 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def trainer_has(flag: str) -> bool:
-    """Whether bench_ddp_transformer.py accepts `flag` (the precision option is another issue's work)."""
-    import bench_ddp_transformer as bench
-    try:
-        bench.parse_args([flag, "bf16"])
-    except SystemExit:
-        return False
-    return True
+def one_gpu_devices(nb_part: int, gpus: int) -> str | None:
+    """--devices for a row: None where the node has a GPU per part; else every part on GPU 0 (the pipeline still
+    runs its nb_part stages and their sends, one after the other on one GPU)."""
+    return None if nb_part <= gpus else ",".join("0" * nb_part)
 
 
-def run_script(args: argparse.Namespace, nb_part: int, precision: str, work: Path) -> dict:
+def run_script(args: argparse.Namespace, nb_part: int, precision: str, work: Path, devices: str | None) -> dict:
     """The full script, one task, nccl: its JSON record (samples/s of the timed steps)."""
     out = work / f"row-{nb_part}-{precision}.jsonl"
     cmd = [sys.executable, str(ROOT / "bench_ddp_transformer.py"), "--nb-part", str(nb_part), "--nlayers",
@@ -69,6 +65,8 @@ def run_script(args: argparse.Namespace, nb_part: int, precision: str, work: Pat
            "--json-out", str(out), "--timeout", str(args.timeout)]
     if precision != "fp32":
         cmd += ["--precision", precision]
+    if devices:
+        cmd += ["--devices", devices]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK"))}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
     if r.returncode != 0:
@@ -77,7 +75,7 @@ def run_script(args: argparse.Namespace, nb_part: int, precision: str, work: Pat
     return json.loads(out.read_text().splitlines()[-1])
 
 
-def bare_loop(args: argparse.Namespace, nb_part: int, precision: str) -> float:
+def bare_loop(args: argparse.Namespace, nb_part: int, precision: str, devices: str | None) -> float:
     """The same model, micro-batches and AdamW, with nothing around them: samples/s on the same GPU(s)."""
     import torch
     import torch.nn.functional as F
@@ -87,7 +85,8 @@ def bare_loop(args: argparse.Namespace, nb_part: int, precision: str) -> float:
                             "--chunks", str(args.chunks), "--nb-part", str(nb_part)])
     bench.resolve(cfg, cuda=True)
     plan = check_topology.plan_task(0, 0, 0, 1, [str(i) for i in range(torch.cuda.device_count())], None,
-                                    cfg.nlayers, nb_part)
+                                    cfg.nlayers, nb_part, None, None if devices is None else
+                                    [int(d) for d in devices.split(",")])
     parts = bench.build_module_list(cfg, plan)
     model = torch.nn.Sequential(*parts)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -128,33 +127,35 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0)
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     rows, lines = [], []
+    print(f"gpu_check: {name} x {gpus}, torch {torch.__version__}, nccl, one task; {args.steps} timed steps, "
+          f"batch {args.batch_size}, chunks {args.chunks}, nlayers {args.nlayers}")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for nb_part in (1, 2):
             for precision in precisions:
-                label = f"nb_part {nb_part} {precision}"
-                if nb_part > gpus:
-                    lines.append(f"| {label} | - | - | - | not run: {gpus} GPU visible, nb_part 2 needs 2 |")
+                devices = one_gpu_devices(nb_part, gpus)
+                label = f"nb_part {nb_part} {precision}" + (f" (--devices {devices})" if devices else "")
+                if precision == "bf16" and not torch.cuda.is_bf16_supported():  # V100: the trainer refuses it
+                    lines.append(f"| {label} | - | - | - | not run: {name} has no bf16 |")
                     continue
-                if precision != "fp32" and not trainer_has("--precision"):
-                    lines.append(f"| {label} | - | - | - | not run: the trainer has no --precision yet |")
+                try:
+                    record = run_script(args, nb_part, precision, Path(tmp), devices)
+                    bare = bare_loop(args, nb_part, precision, devices)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:  # one row's failure keeps the others
+                    lines.append(f"| {label} | - | - | - | failed: {str(exc).splitlines()[0]} |")
+                    rows.append({"check": "gpu_check", "row": label, "failed": str(exc)})
                     continue
-                record = run_script(args, nb_part, precision, Path(tmp))
-                bare = bare_loop(args, nb_part, precision)
                 ratio = record["samples_per_s"] / bare
-                record.update(check="gpu_check", precision=precision, bare_samples_per_s=bare, ratio=ratio,
-                              goal=GOAL)
+                record.update(check="gpu_check", row=label, precision=precision, bare_samples_per_s=bare,
+                              ratio=ratio, goal=GOAL)
                 rows.append(record)
                 lines.append(f"| {label} | {record['samples_per_s']:.1f} | {bare:.1f} | {ratio:.3f} | "
                              f"{'ok' if ratio >= GOAL else f'below the goal {GOAL}'} |")
-    print(f"gpu_check: {name} x {gpus}, torch {torch.__version__}, nccl, one task; {args.steps} timed steps, "
-          f"batch {args.batch_size}, chunks {args.chunks}, nlayers {args.nlayers}")
+                if args.json_out:  # row by row: a later failure or time limit loses nothing
+                    with open(args.json_out, "a") as f:
+                        f.write(json.dumps(record) + "\n")
     print("| row | script samples/s | bare loop samples/s | ratio | |\n| --- | --- | --- | --- | --- |")
     print("\n".join(lines))
-    if args.json_out:
-        with open(args.json_out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    return 0 if all(r["ratio"] >= GOAL for r in rows) else 1
+    return 0 if rows and all(r.get("ratio", 0) >= GOAL for r in rows) else 1
 
 
 if __name__ == "__main__":

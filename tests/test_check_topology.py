@@ -542,8 +542,67 @@ def test_parse_errors(tmp_path):
     assert "bad-schedule" in {f.code for f in ct.check_job(job, training).findings}
 
 
+@pytest.mark.parametrize("line,refused", [
+    ("srun python bench_ddp_transformer.py --layout stage --pp 4 --schedule 1f1b", "--layout, --pp, --schedule"),
+    ("srun python bench_stage.py --pp 2 --nb-part=2", "--nb-part"),
+])
+def test_the_other_layouts_arguments_are_refused(tmp_path, line, refused):
+    """What the checker approves must start: each trainer's argparse refuses the other layout's arguments."""
+    script = tmp_path / "mixed.slurm"
+    script.write_text("#!/bin/bash\n#SBATCH -C v100-32g -N 1 --ntasks-per-node=4 --gres=gpu:4 -c 10 "
+                      f"--hint=nomultithread -t 1:00:00\n{line}\n")
+    job, training, findings = ct.read_sbatch(script)
+    bad = [f for f in findings if f.code == "bad-layout"]
+    assert len(bad) == 1 and bad[0].level == "error" and f"has no {refused}" in bad[0].message, [str(f) for f in findings]
+
+
 def test_cpu_defaults_are_the_trainers():
     report = ct.check_job(ct.Job(nodes=1, ntasks_per_node=1), ct.Training())
     assert report.training.nlayers == ct.CPU_DEFAULTS["nlayers"]  # no GPU: the trainer runs its CPU model
     report = ct.check_job(ct.Job(nodes=1, ntasks_per_node=1, gpus_per_node=4), ct.Training())
     assert report.training.nlayers == ct.GPU_DEFAULTS["nlayers"]
+
+
+# ---- --devices: an explicit GPU per part (the one-GPU check puts both parts on GPU 0) --------------------------
+def test_devices_put_two_parts_on_one_gpu():
+    findings = ct.Findings()
+    plan = ct.plan_task(0, 0, 0, 1, ["0"], 1, 4, 2, findings, devices=[0, 0])
+    assert (plan.nb_part, plan.devices, plan.gpu_ids) == (2, [0, 0], ["0", "0"])
+    assert [f.code for f in findings] == ["parts-share-gpu"] and "GPU 0" in findings[0].message
+
+
+@pytest.mark.parametrize("devices,nb_part,code,needle", [
+    ([0], 2, "devices-count", "lists 1 GPU(s) for nb_part 2"),
+    ([0, 1], None, "gpu-index-past-visible", "GPU index 1"),
+])
+def test_devices_errors(devices, nb_part, code, needle):
+    findings = ct.Findings()
+    ct.plan_task(0, 0, 0, 1, ["0"], 1, 4, nb_part, findings, devices=devices)
+    assert code in [f.code for f in findings.errors] and needle in " ".join(f.message for f in findings)
+
+
+def test_devices_on_the_trainer_line_and_the_command_line(tmp_path, capsys):
+    script = tmp_path / "one_gpu.slurm"
+    script.write_text("#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node=1 --gres=gpu:1 -c 10 --hint=nomultithread "
+                      "-t 0:20:00 -C v100-32g\n"
+                      "srun python bench_ddp_transformer.py --nb-part 2 --devices 0,0 --chunks 8 --nlayers 4\n")
+    job, training, findings = ct.read_sbatch(script)
+    assert training.devices == [0, 0]
+    report = ct.check_job(job, training)
+    codes = {f.code for f in report.findings}
+    assert "parts-share-gpu" in codes and "gpu-shared" not in codes and report.ok, [str(f) for f in report.findings]
+    assert report.tasks[0].devices == [0, 0]
+    assert ct.main(["--nodes", "1", "--gpus-per-node", "1", "--ntasks-per-node", "1", "--nb-part", "2",
+                    "--devices", "0,x"]) == 2
+    assert "--devices '0,x' must be GPU indices" in capsys.readouterr().err
+
+
+def test_parts_that_share_a_gpu_add_up_in_the_estimate():
+    job = ct.Job(nodes=1, gpus_per_node=1, ntasks_per_node=1, cpus_per_task=10, hint="nomultithread",
+                 constraint="v100-16g", time="0:20:00")
+    alone = ct.check_job(job, ct.Training(nlayers=16, chunks=8, batch_size=64, nb_part=2))
+    assert "does-not-fit" not in {f.code for f in alone.findings}, [str(f) for f in alone.findings]  # 2 GPUs' worth
+    report = ct.check_job(job, ct.Training(nlayers=16, chunks=8, batch_size=64, nb_part=2, devices=[0, 0]))
+    bad = [f for f in report.findings if f.code == "does-not-fit"]
+    assert len(bad) == 1 and "puts parts 0,1 on GPU 0" in bad[0].message, [str(f) for f in report.findings]
+    assert any("GPU 0 holds parts 0,1" in n for n in report.notes)

@@ -31,3 +31,10 @@ def test_no_gpu_is_refused_in_one_line():
 def test_bad_arguments_name_the_value(args, needle):
     r = gpu_check(*args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_one_gpu_rows_put_every_part_on_gpu_0():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check as g
+    assert g.one_gpu_devices(1, 1) is None and g.one_gpu_devices(2, 2) is None
+    assert g.one_gpu_devices(2, 1) == "0,0" and g.one_gpu_devices(4, 1) == "0,0,0,0"
