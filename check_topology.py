@@ -463,7 +463,10 @@ def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, in
                            "refuses it ('Requested node configuration is not available'); set "
                            f"--ntasks={nodes * k} or drop --ntasks")
             total = nodes * k
-        return [k] * nodes, total
+        # with --ntasks the allocation holds the cores of those n tasks only, at most k a node, on at most n nodes
+        # (measured: -N 1 -n 1 --ntasks-per-node 2 -c 1 refused srun -n 2, 'More processors requested than
+        # permitted'; -N 2 -n 1 --ntasks-per-node 1 -c 10 ran srun -n 4 on its one node)
+        return spread(total, [k] * min(nodes, total)), total
     if n is None:  # one task per node, and srun inherits that count like a -n (srun -N 1 in -N 2 was refused)
         return [1] * nodes, nodes
     if n < nodes:

@@ -7,6 +7,7 @@ SLURM_STEP_TASKS_PER_NODE, and compared with check_topology's plan of the same s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -90,8 +91,10 @@ def probe_dir(tmp_path_factory, slurm_cluster) -> Path:
     return tmp_path_factory.mktemp("placement")
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+# CI (CI=true) replays one fixed set of 24 requests, so that a landing does not depend on the seed; anywhere else
+# each run draws new ones (new seeds found 5 real discrepancies so far, each fixed in check_topology).
+@settings(max_examples=24, deadline=None, derandomize=os.environ.get("CI") == "true",
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(requests())
 def test_plan_is_the_placement_slurm_makes(slurm_cluster, probe_dir, request_):
     sbatch, srun = request_
