@@ -2152,6 +2152,31 @@ PLANNING = ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_tas
             "partition", "constraint")
 
 
+def override(args: argparse.Namespace, t: Training) -> Training:
+    """The trainer's arguments given on the checker's command line, over those of the sbatch file's trainer line."""
+    for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part", "layout", "pp", "schedule",
+                 "virtual_stages"):
+        if below_one({name: getattr(args, name)}):
+            raise UsageError(below_one({name: getattr(args, name)}))
+        if getattr(args, name) is not None:
+            setattr(t, name, getattr(args, name))
+    for name in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout"):
+        value = getattr(args, name)
+        if value is not None and (value < 0 if name == "dropout" else value < 1):
+            raise UsageError(f"--{name.replace('_', '-')} {value} must be at least {0 if name == 'dropout' else 1}")
+        if value is not None:
+            t.model[name] = value
+    for name in ("precision", "activation_checkpointing", "zero"):
+        if getattr(args, name) is not None:
+            setattr(t, name, getattr(args, name))
+    if args.devices is not None:
+        bad = Findings()
+        t.devices = parse_devices(args.devices, "command line", bad)
+        if bad:
+            raise UsageError(bad[0].message)
+    return t  # nlayers left None: check_job / task_facts take the trainer's default for GPU or CPU
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -2160,41 +2185,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if exc.code else 0
     training = Training()
 
-    def override(t: Training) -> Training:
-        for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part", "layout", "pp", "schedule",
-                     "virtual_stages"):
-            if below_one({name: getattr(args, name)}):
-                raise UsageError(below_one({name: getattr(args, name)}))
-            if getattr(args, name) is not None:
-                setattr(t, name, getattr(args, name))
-        for name in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout"):
-            value = getattr(args, name)
-            if value is not None and (value < 0 if name == "dropout" else value < 1):
-                raise UsageError(f"--{name.replace('_', '-')} {value} must be at least {0 if name == 'dropout' else 1}")
-            if value is not None:
-                t.model[name] = value
-        for name in ("precision", "activation_checkpointing", "zero"):
-            if getattr(args, name) is not None:
-                setattr(t, name, getattr(args, name))
-        if args.devices is not None:
-            bad = Findings()
-            t.devices = parse_devices(args.devices, "command line", bad)
-            if bad:
-                raise UsageError(bad[0].message)
-        return t  # nlayers left None: check_job / task_facts take the trainer's default for GPU or CPU
-
     try:
         if args.gpu_mem is not None and args.gpu_mem <= 0:
             raise UsageError(f"--gpu-mem {args.gpu_mem:g} must be a positive number of GiB, e.g. --gpu-mem 32")
         if args.advise:
-            return advise_main(args, override(training))
+            return advise_main(args, override(args, training))
         planning = any(getattr(args, k) is not None for k in PLANNING)
         if args.sbatch_file:
             if planning:
                 raise UsageError("give either an sbatch file or planning flags (--nodes ...), not both")
             job, training, findings = read_sbatch(args.sbatch_file)
             job.gpu_mem = args.gpu_mem
-            report = check_job(job, override(training))
+            report = check_job(job, override(args, training))
             report.findings[:0] = findings
         elif planning:
             missing = [f"--{k.replace('_', '-')}" for k in ("nodes", "gpus_per_node") if getattr(args, k) is None]
@@ -2207,20 +2209,20 @@ def main(argv: list[str] | None = None) -> int:
             job = Job(**{k: getattr(args, k) for k in PLANNING}, gpu_mem=args.gpu_mem)
             job.source = (f"plan: {args.nodes} node(s) x {args.gpus_per_node or '?'} GPU(s), "
                           f"--ntasks-per-node={args.ntasks_per_node}")
-            report = check_job(job, override(training))
+            report = check_job(job, override(args, training))
             # planning flags describe the layout, not the cores, hint or time limit: don't nag about those
             report.findings[:] = [f for f in report.findings
                                   if f.code not in ("cpus-per-task-missing", "hint-missing", "time-missing")]
         else:
             launch = idr_torch.Launch()
             if launch.launcher == "slurm":
-                report, code = check_in_step(launch, override(training), args.gpu_mem)
+                report, code = check_in_step(launch, override(args, training), args.gpu_mem)
                 if report is None:
                     return code
             elif launch.job_id:
                 job = job_from_allocation(launch.env)
                 job.gpu_mem, job.gpu_mem_seen = args.gpu_mem, gpus_memory_here()
-                report = check_job(job, override(training))
+                report = check_job(job, override(args, training))
             else:
                 raise UsageError("nothing to check: give an sbatch file, planning flags (--nodes 3 --gpus-per-node 4 "
                                  "--ntasks-per-node 2), or run me inside a Slurm allocation")
