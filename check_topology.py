@@ -15,6 +15,14 @@ part, Decoder on the last.
 Exit status: 0 clean (warnings allowed), 1 errors found, 2 usage error or unreadable file.
 bench_ddp_transformer.py builds its model from plan_task() below, so what this approves is what runs.
 No torch import here: checking a file must stay well under a second on a login node.
+
+One file, in two parts, because users copy it next to the trainers and both trainers import it:
+  Part I   the plan the trainers import (their `__all__`): I.1 arguments and defaults, I.2 the layer split,
+           I.3 this task's GPUs, I.4 memory, I.5 what each torch release can run, I.6 the trainers' checks of
+           their arguments. The trainers call these very functions, so their refusals are the checker's findings.
+  Part II  the pre-flight checker: II.1 what it catches, II.2 Slurm 22.05 (option tables and placement: a port
+           to a newer Slurm touches this block), II.3 Jean Zay, II.4 reading a job script, II.5 checking a job,
+           II.6 the report, II.7 inside an allocation, II.8 the command line.
 """
 from __future__ import annotations
 
@@ -34,46 +42,88 @@ from typing import Iterable, Sequence
 
 import idr_torch
 
+# What the trainers (bench_ddp_transformer.py, bench_stage.py) and the benchmarks take from here: Part I.
+__all__ = ["GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", "ENGINES", "PRECISIONS", "SCHEDULES", "MULTI_STAGE",
+           "TRAINERS", "Training", "model_args", "below_one", "Finding", "Findings", "part_sizes", "split_layers",
+           "part_contents", "TaskPlan", "plan_task", "parse_devices", "GIB", "PartMemory", "estimate_memory",
+           "memory_line", "TORCH_FEATURES", "torch_refusals", "divisors", "check_training", "stages_per_rank",
+           "check_stage", "bubble"]
+
+
+# ======================================================================================================================
+# Part I. The plan the trainers import: arguments, layer split, task plan, memory, torch releases, checks
+# ======================================================================================================================
+
+
+# ---- I.1 Arguments and defaults --------------------------------------------------------------------------------------
+
 # The trainer's defaults live here so the checker (which must not import torch) judges exactly what runs.
 # GPU: big enough that the page's reason for model parallelism (activations of a deep model) holds.
 GPU_DEFAULTS = dict(nlayers=16, d_model=1024, n_head=16, d_hid=4096, seq_len=256, vocab_size=30000,
                     chunks=4, batch_size=64, dropout=0.1)
+
 # CPU (CI, laptops): small enough for a 2-core machine to learn the synthetic task in well under a minute.
 # No dropout there: on the CPU its random masks cost as much as the matmuls of so small a model.
 CPU_DEFAULTS = dict(nlayers=4, d_model=64, n_head=4, d_hid=128, seq_len=64, vocab_size=2000,
                     chunks=2, batch_size=32, dropout=0.0)
+
 CPU_NB_PART = 2  # no GPU: still split in two so the pipeline is exercised
 ENGINES = ("auto", "torch-pipe", "fairscale")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
 # The stage layout (bench_stage.py): torch.distributed.pipelining's schedules, by --schedule name (the one list of
 # them: bench_stage.py's choices, and the class it builds); the multi-stage ones hold several stages per task.
 # Not offered: the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) split the
 # weight gradients out of the backward, which DDP's gradient hooks don't follow (ZB-V crashed with DDP here).
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
              "loopedbfs": "ScheduleLoopedBFS"}
+
+MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
 TRAINERS = {"bench_ddp_transformer.py": "replica", "bench_stage.py": "stage"}  # the script sets the layout
+
 # arguments each trainer's argparse refuses (the other layout's): the checker must not approve a line that can't start
 NOT_ARGS = {"replica": ("--layout", "--pp", "--schedule", "--virtual-stages"),
             "stage": ("--layout", "--nb-part", "--engine", "--devices")}
-MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
-
-# Jean Zay's GPU nodes, by partition and by constraint (-C): GPUs and cores per node. Memory is granted per
-# reserved core there, so --cpus-per-task also sizes the task's host memory.
-NODE_TYPES = {
-    "v100-4": dict(gpus=4, cores=40, label="4-GPU V100 nodes (gpu_p13, 10 cores per GPU)"),
-    "v100-8": dict(gpus=8, cores=24, label="8-GPU V100 nodes (gpu_p2, 3 cores per GPU)"),
-    "a100": dict(gpus=8, cores=64, label="8-GPU A100 nodes (-C a100, 8 cores per GPU)"),
-    "h100": dict(gpus=4, cores=96, label="4-GPU H100 nodes (-C h100, 24 cores per GPU)"),
-}
-PARTITION_TYPES = {"gpu_p13": "v100-4", "gpu_p1": "v100-4", "gpu_p3": "v100-4", "gpu_p2": "v100-8",
-                   "gpu_p2s": "v100-8", "gpu_p2l": "v100-8", "gpu_p5": "a100", "gpu_p6": "h100"}
-CONSTRAINT_TYPES = {"a100": "a100", "h100": "h100"}
 
 
-class UsageError(Exception):
-    """Bad command line or unreadable file: exit 2."""
+@dataclass
+class Training:
+    nlayers: int | None = None
+    chunks: int | None = None
+    batch_size: int | None = None
+    engine: str = "auto"
+    nb_part: int | None = None
+    layout: str = "replica"
+    pp: int = 2
+    schedule: str = "1f1b"
+    virtual_stages: int = 2
+    precision: str = "fp32"  # fp32, bf16 or fp16 (autocast)
+    activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
+    zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
+    model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
+    devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
+    unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
 
 
-# ---- findings -----------------------------------------------------------------------------------------------
+def model_args(t: "Training", cpu: bool = False, **given: int | float | None) -> dict:
+    """The model arguments the trainer would use: the line's values, else GPU_DEFAULTS (or CPU_DEFAULTS)."""
+    defaults = CPU_DEFAULTS if cpu else GPU_DEFAULTS
+    model = {k: v for k, v in defaults.items()}
+    model.update({k: v for k, v in dict(nlayers=t.nlayers, chunks=t.chunks, batch_size=t.batch_size).items()
+                  if v is not None})
+    model.update({k: v for k, v in {**t.model, **given}.items() if v is not None})
+    return model
+
+
+def below_one(values: dict) -> str | None:
+    """The one rule for counts, in the trainers and the checker: '--name N must be at least 1' for the first
+    count below 1 (None and non-numbers are someone else's business)."""
+    for name, v in values.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 1:
+            return f"--{name.lstrip('-').replace('_', '-')} {v} must be at least 1"
+    return None
+
+
 @dataclass
 class Finding:
     level: str  # "error" or "warning"
@@ -96,114 +146,8 @@ class Findings(list):
         return [f for f in self if f.level == "error"]
 
 
-# Every finding the checker can give, with its level: `--json` carries these codes, and README.md lists exactly
-# this table (tests/test_check_topology.py compares the three: this table, the code, the README).
-CATCHES = {
-    # reading the script as sbatch 22.05 does
-    "no-shebang": ("error", "the first line is not #! and an interpreter (sbatch refuses the file)"),
-    "dos-line-breaks": ("error", "\\r\\n line ends (sbatch refuses the file)"),
-    "unknown-option": ("error", "an option sbatch or srun does not know, with a did-you-mean"),
-    "ambiguous-option": ("error", "an abbreviation that matches several options (getopt refuses it)"),
-    "option-prefix": ("warning", "an unambiguous abbreviation, which getopt accepts: write it in full"),
-    "stray-token": ("error", "a word in a #SBATCH line that is not an option (sbatch refuses the file)"),
-    "bad-directive": ("error", "a #SBATCH line that cannot be parsed (unbalanced quotes)"),
-    "bad-value": ("error", "a count, GPU request or binding that is not valid, e.g. -N=2"),
-    "bad-command": ("error", "a trainer line that cannot be parsed"),
-    "variable-in-directive": ("error", "$VARIABLES in #SBATCH lines, which sbatch does not expand"),
-    "ignored-directive": ("warning", "a directive sbatch ignores: indented, lower case, '# SBATCH', after the first command"),
-    "pbs-directive": ("error", "#PBS / #BSUB lines, which sbatch also reads, without --ignore-pbs"),
-    "hetjob": ("warning", "a heterogeneous job, whose components are checked as one"),
-    "node-range": ("warning", "--nodes=MIN-MAX: the plan assumes MIN"),
-    "no-trainer-line": ("warning", "no trainer line (bench_ddp_transformer.py or bench_stage.py): the defaults are checked"),
-    "unchecked-argument": ("warning", "a trainer argument given as a shell variable"),
-    # tasks and their placement
-    "trainer-without-srun": ("error", "a trainer line without srun in a job of several tasks or nodes (one process runs)"),
-    "nodes-missing": ("warning", "--ntasks without --nodes: Slurm picks the node count"),
-    "ntasks-per-node-missing": ("error/warning", "--ntasks-per-node missing: an error when several nodes may pack unevenly"),
-    "ntasks-mismatch": ("error", "--ntasks above nodes x --ntasks-per-node (refused), or below it and placed unevenly"),
-    "ntasks-per-node-max": ("warning", "--ntasks below nodes x --ntasks-per-node but even: SLURM_NTASKS_PER_NODE misleads"),
-    "ntasks-below-nodes": ("error", "fewer tasks than nodes"),
-    "uneven-tasks-per-node": ("error", "tasks per node differ, so nb_part differs between nodes"),
-    "step-nodes": ("error", "srun -N above the job's nodes"),
-    "step-too-many-tasks": ("error", "srun -n above what the allocation holds (srun refuses the step)"),
-    "srun-ntasks-per-node-ignored": ("warning", "srun --ntasks-per-node that srun ignores (it doesn't match -n)"),
-    "srun-ntasks-per-node-conflict": ("error", "srun --ntasks-per-node above what the nodes hold (placed unevenly)"),
-    "srun-gpu-option": ("warning", "srun --gres/--gpus* on the trainer's line, not modelled"),
-    # GPUs
-    "no-gpus": ("error", "no GPU requested"),
-    "gpu-request-conflict": ("error", "--gres=gpu:N with a --gpus-per-node, --gpus or --gpus-per-task that disagrees"),
-    "gpus-total-multinode": ("error", "--gpus=N (a total) over several nodes: no even split is promised"),
-    "gpus-exceed-node": ("error", "more GPUs per node than the node type has"),
-    "gpus-not-divisible": ("error", "GPUs per node not divisible by tasks per node"),
-    "more-tasks-than-gpus": ("error", "more tasks per node than GPUs: nb_part = 0"),
-    "gpu-index-past-visible": ("error", "a task would use a GPU index past what it sees (the first such index)"),
-    "devices-count": ("error", "--devices does not give one GPU index per part"),
-    "parts-share-gpu": ("warning", "--devices puts several parts on one GPU (a one-GPU check, not a speed figure)"),
-    "gpu-shared": ("error", "two tasks of a node on one GPU"),
-    "gpus-idle": ("warning", "GPUs nobody uses (how many, which)"),
-    "gpus-per-task-cgroup": ("warning", "--gpus-per-task: per-task GPU cgroups hide NVLink from NCCL"),
-    "gpu-bind-mask": ("warning", "--gpu-bind=mask_gpu, not modelled"),
-    "gpu-bind-closest": ("warning", "--gpu-bind=closest, which depends on the node"),
-    # cores, time, account, modules (Jean Zay)
-    "cpus-per-task-missing": ("warning", "--cpus-per-task missing (Jean Zay grants memory per core)"),
-    "cpus-per-task-small": ("warning", "--cpus-per-task below the node's cores per GPU x GPUs per task"),
-    "cpus-exceed-node": ("error", "tasks x --cpus-per-task above the node's cores"),
-    "hint-missing": ("warning", "--hint=nomultithread missing"),
-    "time-missing": ("warning", "--time missing: 10 minutes on Jean Zay's GPU partitions"),
-    "bad-time": ("error", "a --time Slurm does not read"),
-    "time-over-qos": ("error", "--time above the QoS limit (dev 2 h, t3 20 h, t4 100 h)"),
-    "account-mismatch": ("error", "an account suffix (@v100, @a100, @h100) that does not match the nodes asked for"),
-    "arch-h100-missing": ("error", "-C h100 without module load arch/h100 before pytorch-gpu"),
-    "engine-unavailable": ("error", "--engine torch-pipe with a pytorch-gpu/py3/2.4+ module"),
-    "torch-too-old": ("error", "bench_stage.py with a pytorch-gpu/py3 module older than 2.4"),
-    # memory (the section *Will it fit?*)
-    "does-not-fit": ("error", "a part's estimated peak memory above the GPU's"),
-    "memory-tight": ("warning", "a part's estimated peak memory close to the GPU's"),
-    "bf16-on-v100": ("error", "--precision bf16 on V100 GPUs, which have no bf16"),
-    "fp16-stage": ("error", "--precision fp16 in the stage layout, whose schedules leave no place for a GradScaler"),
-    # the model and the pipeline
-    "nlayers-below-nb-part": ("error", "fewer layers than GPUs per task"),
-    "nlayers-not-multiple": ("warning", "layers not a multiple of GPUs per task"),
-    "chunks-above-batch": ("error", "more chunks than the batch per replica"),
-    "chunks-not-dividing-batch": ("error", "chunks not dividing the batch per replica"),
-    "pipeline-bubble": ("warning", "chunks < 4 x nb_part: the bubble fraction and the chunks that bring it under 20 %"),
-    "bad-engine": ("error", "an --engine the trainer does not have"),
-    "bad-layout": ("error", "an argument the trainer's script does not have: --layout, or the other layout's "
-                   "(--pp on bench_ddp_transformer.py, --nb-part on bench_stage.py)"),
-    "bad-schedule": ("error", "a --schedule the stage layout does not have"),
-    "pp-too-small": ("error", "stage layout: --pp below 2"),
-    "pp-not-dividing-world": ("error", "stage layout: --pp not dividing the tasks"),
-    "pipeline-spans-nodes": ("warning", "stage layout: pipelines that cross nodes"),
-    "chunks-below-stages": ("error", "stage layout: 1F1B with fewer chunks than stages"),
-    "chunks-not-rounds": ("error", "stage layout: interleaved chunks not a multiple of the rounds"),
-    # inside a running step (srun python check_topology.py)
-    "task-missing": ("error", "a task that never reported to task 0"),
-    "affinity-small": ("warning", "a task may run on fewer CPUs than --cpus-per-task"),
-    "no-gpu-visible": ("warning", "a task that sees no GPU"),
-}
+# ---- I.2 The layer split ---------------------------------------------------------------------------------------------
 
-
-def _choices(values: Iterable[int]) -> str:
-    values = sorted(set(values))
-    if not values:
-        return "none"
-    return ", ".join(map(str, values[:-1])) + (" or " if len(values) > 1 else "") + str(values[-1])
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def below_one(values: dict) -> str | None:
-    """The one rule for counts, in the trainers and the checker: '--name N must be at least 1' for the first
-    count below 1 (None and non-numbers are someone else's business)."""
-    for name, v in values.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 1:
-            return f"--{name.lstrip('-').replace('_', '-')} {v} must be at least 1"
-    return None
-
-
-# ---- the layer split ----------------------------------------------------------------------------------------
 def part_sizes(nlayers: int, nb_part: int) -> list[int]:
     """Layers per part: balanced, the extra ones on the *last* parts (part 0 already holds the Encoder's
     embedding table, the largest single tensor of the model)."""
@@ -240,7 +184,8 @@ def part_contents(nlayers: int, nb_part: int) -> list[str]:
     return out
 
 
-# ---- this task's GPUs ---------------------------------------------------------------------------------------
+# ---- I.3 This task's GPUs: the plan ----------------------------------------------------------------------------------
+
 @dataclass
 class TaskPlan:
     """Where one task (one model replica) puts its parts."""
@@ -345,233 +290,21 @@ def explicit_devices(where: str, devices: Sequence[int], nb_part: int | None,
     return devices, n
 
 
-# ---- the job: what it asks for --------------------------------------------------------------------------------
-@dataclass
-class Job:
-    """A Slurm request (from #SBATCH lines, command-line flags, or an allocation's SLURM_* variables)."""
-    nodes: int | None = None
-    ntasks: int | None = None
-    ntasks_per_node: int | None = None
-    tasks_per_node: list[int] | None = None  # known per node only inside an allocation
-    gpus_per_node: int | None = None
-    gpus_per_task: int | None = None
-    gpus_total: int | None = None
-    gpu_bind: str | None = None
-    cpus_per_task: int | None = None
-    hint: str | None = None
-    constraint: str | None = None
-    partition: str | None = None
-    time: str | None = None
-    torch_module: str | None = None  # `module load pytorch-gpu/py3/<version>`
-    gpu_mem: float | None = None  # --gpu-mem: GiB per GPU, given by the user
-    gpu_mem_seen: float | None = None  # GiB per GPU as nvidia-smi shows it inside the allocation
-    source: str = "command line"
-    gres_gpus: int | None = None  # --gres=gpu:N (GPUs per node), kept apart from --gpus-per-node to compare them
-    account: str | None = None
-    qos: str | None = None
-    distribution: str | None = None
-    ignore_pbs: bool = False
-    modules: list[str] = field(default_factory=list)  # every `module load` argument, in order
-    srun: bool | None = None  # the trainer's line starts with srun (None: no trainer line)
-    launcher: str | None = None  # what comes before the trainer's script on its line
-    trainer: str = "bench_ddp_transformer.py"  # the script on it
-    step_nodes: int | None = None  # srun's own -N / -n / --ntasks-per-node on the trainer's line
-    step_ntasks: int | None = None
-    step_ntasks_per_node: int | None = None
-    step_cpus_per_task: int | None = None  # srun -c: 22.05's srun does not inherit the job's --cpus-per-task
-    placement: str = "exact"  # "possible": Slurm decides by free cores; the plan shows one placement it may make
+def parse_devices(value: str, where: str, findings: Findings) -> list[int] | None:
+    """--devices 0,0: visible GPU indices, one per part."""
+    try:
+        devices = [int(x) for x in value.split(",")]
+        if min(devices) < 0:
+            raise ValueError
+        return devices
+    except ValueError:
+        findings.error("bad-value", f"{where}: --devices {value!r} must be GPU indices separated by commas, "
+                       "one per part, e.g. --devices 0,0")
+        return None
 
 
-@dataclass
-class Training:
-    nlayers: int | None = None
-    chunks: int | None = None
-    batch_size: int | None = None
-    engine: str = "auto"
-    nb_part: int | None = None
-    layout: str = "replica"
-    pp: int = 2
-    schedule: str = "1f1b"
-    virtual_stages: int = 2
-    precision: str = "fp32"  # fp32, bf16 or fp16 (autocast)
-    activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
-    zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
-    model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
-    devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
-    unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
+# ---- I.4 Memory: will it fit? ----------------------------------------------------------------------------------------
 
-
-def node_type(job: Job) -> str | None:
-    for c in re.split(r"[&|,\[\]*]", job.constraint or ""):
-        if c.strip().lower() in CONSTRAINT_TYPES:
-            return CONSTRAINT_TYPES[c.strip().lower()]
-    if job.partition in PARTITION_TYPES:
-        return PARTITION_TYPES[job.partition]
-    if job.partition is None and (job.constraint or "").lower().startswith("v100"):
-        return "v100-4"  # -C v100-16g / v100-32g select the default partition's 4-GPU nodes
-    return None  # unknown nodes: their sizes are not checked
-
-
-def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
-             findings: Findings) -> list[str]:
-    """The GPU ids one task sees, as Slurm shows them (seen on the test cluster): all of the node's without
-    binding; its own share with --gpus-per-task; the mapped ones with --gpu-bind=map_gpu."""
-    everything = [str(i) for i in range(gpus_on_node)]
-    bind = re.sub(r"^verbose,", "", (job.gpu_bind or "").lower())
-    if bind.startswith("map_gpu:"):
-        ids = [x for x in bind.split(":", 1)[1].split(",") if x]
-        entry = ids[local_rank % len(ids)]
-        return [entry.split("*")[0]]
-    if bind.startswith("per_task:"):
-        n = int(bind.split(":", 1)[1])
-        return everything[local_rank * n:(local_rank + 1) * n]
-    if bind in ("", "none") and job.gpus_per_task and bind != "none":
-        g = job.gpus_per_task
-        return everything[local_rank * g:(local_rank + 1) * g]
-    return everything
-
-
-def node_cap(job: Job) -> int | None:
-    """Tasks of --cpus-per-task cores that fit on one node, when the node type is known."""
-    ntype = node_type(job)
-    return NODE_TYPES[ntype]["cores"] // (job.cpus_per_task or 1) if ntype else None
-
-
-def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, int]:
-    """What the allocation holds on each node, in tasks (None: Slurm decides by free cores), the job's task count
-    (which srun inherits, as SLURM_NTASKS or, without -n, one per node). Measured with slurm-wlm 22.05 on the test
-    cluster (tests/test_placement_slurm.py): --ntasks-per-node=k reserves k tasks' cores on every node and
-    --ntasks=n then runs n of them; without it -n 6 -N 3 got 4,1,1 and -n 6 -N 2 -c 10 got 4,2."""
-    n, k, cap = job.ntasks, job.ntasks_per_node, node_cap(job)
-    nodes = job.nodes
-    if nodes is None:
-        if n and k:
-            nodes = -(-n // k)
-        elif n and not k and cap and n > cap:
-            nodes = -(-n // cap)
-        else:
-            nodes = 1
-        if n and not k:
-            findings.warn("nodes-missing", f"--nodes is not given: Slurm picks the node count for --ntasks={n}; "
-                          f"assuming {nodes} node(s); add --nodes={nodes}")
-        job.nodes = nodes
-    if k:
-        total = n if n is not None else nodes * k
-        if total > nodes * k:
-            findings.error("ntasks-mismatch",
-                           f"--ntasks={total} exceeds --nodes={nodes} x --ntasks-per-node={k} = {nodes * k}: sbatch "
-                           "refuses it ('Requested node configuration is not available'); set "
-                           f"--ntasks={nodes * k} or drop --ntasks")
-            total = nodes * k
-        # with --ntasks the allocation holds the cores of those n tasks only, at most k a node, on at most n nodes
-        # (measured: -N 1 -n 1 --ntasks-per-node 2 -c 1 refused srun -n 2, 'More processors requested than
-        # permitted'; -N 2 -n 1 --ntasks-per-node 1 -c 10 ran srun -n 4 on its one node)
-        return spread(total, [k] * min(nodes, total)), total
-    if n is None:  # one task per node, and srun inherits that count like a -n (srun -N 1 in -N 2 was refused)
-        return [1] * nodes, nodes
-    if n < nodes:
-        findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: every node needs a task; "
-                       f"use --nodes={n}")
-        job.nodes = n
-        return [1] * n, n
-    if nodes == 1 or n == nodes:
-        return [n // nodes] * nodes, n
-    if cap and n == nodes * cap:
-        return [cap] * nodes, n  # full nodes: no other packing fits
-    return None, n
-
-
-def spread(ntasks: int, caps: list[int]) -> list[int]:
-    """srun's default block distribution over the allocation: one task per node per round, a node taking no more
-    than it holds (srun -n 5 in 4(x3) gave 2,2,1; -n 4 in 2(x3) gave 2,1,1)."""
-    counts = [0] * len(caps)
-    while sum(counts) < min(ntasks, sum(caps)):
-        for i, c in enumerate(caps):
-            if counts[i] < c and sum(counts) < ntasks:
-                counts[i] += 1
-    return counts
-
-
-def packing(ntasks: int, nodes: int, cap: int | None) -> list[int]:
-    """One placement of free-core packing: the first nodes filled, one task left for each other node (what idle
-    nodes gave: -n 6 -N 3 -> 4,1,1; -n 9 -N 3 -> 7,1,1)."""
-    counts, left = [], ntasks
-    for i in range(nodes):
-        take = max(1, min(cap or ntasks, left - (nodes - i - 1)))
-        counts.append(take)
-        left -= take
-    return counts
-
-
-def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
-    """Tasks on each node of the trainer's step, as Slurm places them: the allocation's shape, then srun's
-    options on the trainer's line, which override it (and srun -n K alone inherits the job's nodes)."""
-    if job.tasks_per_node:  # inside an allocation: Slurm already placed them
-        return list(job.tasks_per_node)
-    caps, ntasks = allocation_tasks(job, findings)
-    nodes = len(caps) if caps else job.nodes
-    if job.srun is False:  # the batch step runs the line once: SLURM_PROCID=0, no SLURM_STEP_ID (measured)
-        if ntasks > 1 or nodes > 1:
-            findings.error("trainer-without-srun",
-                           f"the trainer's line starts with '{job.launcher}', not srun: in a job of {ntasks} task(s) "
-                           f"on {nodes} node(s) the batch script runs it once, as 1 process on the first node, not "
-                           f"{ntasks}; start it with: srun python {job.trainer} ...")
-        return [1]
-    placed = step_tasks_per_node(job, caps, ntasks, nodes, findings)
-    if (job.step_ntasks is None and job.step_nodes is None) or job.placement == "possible":  # the job's shape
-        check_allocation_shape(job, caps, ntasks, findings)
-    return placed
-
-
-def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: int, findings: Findings) -> list[int]:
-    """srun's placement of the trainer's step in the allocation (caps: tasks it holds per node, None: packed by
-    free cores), with srun's own -N / -n / --ntasks-per-node / -c from the trainer's line."""
-    k_step, m_step, j_step = job.step_ntasks, job.step_nodes, job.step_ntasks_per_node
-    n_step = k_step if k_step is not None else ntasks  # srun inherits the job's task count (SLURM_NTASKS)
-    # srun: "can't run K processes on M nodes, setting nnodes to K" (measured), else the job's nodes
-    m_step = min(m_step, n_step) if m_step else min(nodes, n_step)
-    if m_step > nodes:
-        findings.error("step-nodes", f"srun -N {m_step} but the job has {nodes} node(s): srun refuses the step; "
-                       f"use srun -N <= {nodes}")
-        m_step = nodes
-    if j_step and n_step != m_step * j_step:
-        findings.warn("srun-ntasks-per-node-ignored",
-                      f"srun --ntasks-per-node={j_step} does not match {n_step} task(s) on {m_step} node(s): srun "
-                      "ignores it ('can't honor --ntasks-per-node', measured); drop it or use srun "
-                      f"-n {m_step * j_step}")
-        j_step = None
-    if caps is None:
-        if j_step and j_step > 1:
-            findings.error("srun-ntasks-per-node-conflict",
-                           f"srun --ntasks-per-node={j_step} in an allocation packed by free cores (some nodes may "
-                           f"hold 1 task): Slurm then overcommits unevenly (measured: 3,2,1 for -N3 -n6 and srun "
-                           f"--ntasks-per-node=2); request --ntasks-per-node={j_step} in #SBATCH")
-        elif n_step == m_step:
-            return [1] * m_step
-        job.placement = "possible"  # go on with one packing Slurm may make (what idle nodes got)
-        caps = packing(ntasks, nodes, node_cap(job))
-    # the step fits its tasks in the allocation's cores; srun 22.05 does not read SLURM_CPUS_PER_TASK, so without
-    # srun -c a task takes 1 core (measured: -N 1 -c 10, then srun -n 2 ran 2 tasks; -N 2 -n 6 -c 10 held 4,2
-    # tasks and srun placed 3,3)
-    caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in caps[:m_step]]
-    if n_step > sum(caps):
-        findings.error("step-too-many-tasks",
-                       f"srun would start {n_step} task(s) on {m_step} node(s) whose allocation holds "
-                       f"{','.join(map(str, caps))} = {sum(caps)} of its cores: srun "
-                       + ("may refuse" if job.placement == "possible" else "refuses") + " the step ('More processors "
-                       f"requested than permitted', measured); use srun -n <= {sum(caps)}")
-        return caps
-    if j_step and any(c < j_step for c in caps):
-        findings.error("srun-ntasks-per-node-conflict",
-                       f"srun --ntasks-per-node={j_step} on nodes holding {','.join(map(str, caps))} task(s): Slurm "
-                       "then overcommits unevenly (measured: 3,2,1 for -N3 -n6 and srun --ntasks-per-node=2); "
-                       f"request --ntasks-per-node={j_step} in #SBATCH")
-        job.placement = "possible"
-        return packing(n_step, m_step, None)
-    return [j_step] * m_step if j_step else spread(n_step, caps)
-
-
-# ---- memory: will it fit? -------------------------------------------------------------------------------------
 # What one GPU (one part of a replica) holds during a training step of the model of bench_ddp_transformer.py,
 # in bytes, from the model arguments alone. Validated on the CPU against the bytes autograd really saves
 # (benchmarks/memory_grid.py, tests/test_memory.py); the GPU comparison is benchmarks/memory_gpu.py.
@@ -595,23 +328,10 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
 #   buffers    the Encoder's positional table (part 0)
 #   allowance  CUDA context, cuBLAS/NCCL workspaces and the caching allocator's slack: a stated allowance,
 #              ALLOWANCE_GIB plus ALLOWANCE_FRACTION of the rest, not measured here (no GPU)
-PRECISIONS = ("fp32", "bf16", "fp16")
+
 ALLOWANCE_GIB = 1.0
 ALLOWANCE_FRACTION = 0.10
 GIB = 2 ** 30
-# Memory of one GPU, GiB as nvidia-smi reports the boards' totals (V100-SXM2-16GB 16160 MiB, -32GB 32510 MiB,
-# A100-SXM4-40GB 40960 MiB, A100-SXM4-80GB 81920 MiB, H100 80GB HBM3 81559 MiB). Which board a request gets, from
-# IDRIS's "Jean Zay: GPU Slurm partitions" page (idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
-# -C v100-16g (ex gpu_p3) and -C v100-32g (ex gpu_p1) on gpu_p13's 4-GPU nodes, which mix both (so gpu_p13
-# without -C may get 16 GB: assume the smaller); gpu_p2 8 x V100 32 GB. The A100s, from the directive block of
-# IDRIS's job-script template as users' Jean Zay scripts copy it ("--partition=gpu_p4 ... (40GB A100 GPU)",
-# "-C a100 ... gpu_p5 partition (80GB A100 GPU)"): -C a100 means 80 GB, the 40 GB ones are -p gpu_p4.
-# -C h100 is gpu_p6's 4 x H100 80 GB (DESIGN.md's Jean Zay facts).
-GPU_MEMORY_GIB = {"v100-16g": 16160 / 1024, "v100-32g": 32510 / 1024, "gpu_p2": 32510 / 1024,
-                  "gpu_p4": 40960 / 1024, "a100": 81920 / 1024, "h100": 81559 / 1024}
-V100_PARTITIONS = ("gpu_p13", "gpu_p1", "gpu_p3", "gpu_p2", "gpu_p2s", "gpu_p2l")
-PARTITION_MEMORY = {"gpu_p13": "v100-16g", "gpu_p3": "v100-16g", "gpu_p1": "v100-32g", "gpu_p2": "gpu_p2",
-                    "gpu_p2s": "gpu_p2", "gpu_p2l": "gpu_p2", "gpu_p4": "gpu_p4", "gpu_p5": "a100", "gpu_p6": "h100"}
 
 
 @dataclass
@@ -648,16 +368,6 @@ class PartMemory:
         names = ("params", "grads", "optimizer", "master", "weight_copies", "activations", "recompute", "logits",
                  "buckets", "buffers", "allowance")
         return {n: round(getattr(self, n) / GIB, 3) for n in names if getattr(self, n)}
-
-
-def model_args(t: "Training", cpu: bool = False, **given: int | float | None) -> dict:
-    """The model arguments the trainer would use: the line's values, else GPU_DEFAULTS (or CPU_DEFAULTS)."""
-    defaults = CPU_DEFAULTS if cpu else GPU_DEFAULTS
-    model = {k: v for k, v in defaults.items()}
-    model.update({k: v for k, v in dict(nlayers=t.nlayers, chunks=t.chunks, batch_size=t.batch_size).items()
-                  if v is not None})
-    model.update({k: v for k, v in {**t.model, **given}.items() if v is not None})
-    return model
 
 
 def _layer_params(d: int, dh: int) -> list[int]:
@@ -740,6 +450,10 @@ def estimate_memory(model: dict, t: "Training", nb_part: int, replicas: int) -> 
     return out
 
 
+def _estimate(model: dict, t: "Training", nb_part: int, replicas: int) -> PartMemory:
+    return max(estimate_memory(model, t, nb_part, replicas), key=lambda m: m.total)
+
+
 def format_memory(parts: list[PartMemory], gpu_gib: float | None = None) -> str:
     """One line: the peak part and its breakdown in GiB."""
     worst = max(parts, key=lambda m: m.total)
@@ -757,41 +471,16 @@ def memory_line(model: dict, t: "Training", nb_part: int, replicas: int, gpu_gib
     return format_memory(estimate_memory(model, t, nb_part, replicas), gpu_gib)
 
 
-def gpu_memory(job: "Job") -> tuple[float | None, str]:
-    """GiB of one of the job's GPUs and where that came from: --gpu-mem, else the GPUs of this allocation
-    (nvidia-smi), else the constraint or partition."""
-    if job.gpu_mem is not None:
-        return job.gpu_mem, f"--gpu-mem {job.gpu_mem:g}"
-    if job.gpu_mem_seen is not None:
-        return job.gpu_mem_seen, "the allocation's GPUs (nvidia-smi)"
-    for c in re.split(r"[&|,\[\]*]", (job.constraint or "").lower()):
-        if c.strip() in GPU_MEMORY_GIB:
-            return GPU_MEMORY_GIB[c.strip()], f"-C {c.strip()}"
-    kind = PARTITION_MEMORY.get(job.partition or "")
-    if kind:
-        return GPU_MEMORY_GIB[kind], f"partition {job.partition}" + (
-            ", which mixes 16 and 32 GB V100s: assuming 16 GB" if job.partition == "gpu_p13" else "")
-    return None, "unknown"
-
-
-def is_v100(job: "Job") -> bool:
-    return "v100" in (job.constraint or "").lower() or job.partition in V100_PARTITIONS
-
-
-def gpus_memory_here() -> float | None:
-    """The smallest GPU memory nvidia-smi shows in this allocation, in GiB (None without nvidia-smi)."""
-    import subprocess
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        mib = [float(x) for x in out.split()]
-    except (OSError, subprocess.SubprocessError, ValueError):
+def shared_gpu_memory(parts: list[PartMemory], devices: list[int] | None) -> tuple[int, list[int], int] | None:
+    """The GPU that holds the most bytes when --devices puts several parts on it: (GPU, its parts, bytes)."""
+    if not devices or len(set(devices)) == len(devices) or len(devices) != len(parts):
         return None
-    return min(mib) / 1024 if mib else None
-
-
-def _estimate(model: dict, t: "Training", nb_part: int, replicas: int) -> PartMemory:
-    return max(estimate_memory(model, t, nb_part, replicas), key=lambda m: m.total)
+    per_gpu: dict[int, list[int]] = {}
+    for part, gpu in enumerate(devices):
+        per_gpu.setdefault(gpu, []).append(part)
+    gpu, on_it = max(per_gpu.items(), key=lambda kv: sum(parts[p].total for p in kv[1]))
+    total = sum(parts[p].total for p in on_it) - int((len(on_it) - 1) * ALLOWANCE_GIB * GIB)
+    return gpu, on_it, total
 
 
 def memory_fixes(model: dict, t: "Training", nb_part: int, replicas: int, tpn: int, gib: float,
@@ -829,109 +518,82 @@ def memory_fixes(model: dict, t: "Training", nb_part: int, replicas: int, tpn: i
     return out
 
 
-def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: int,
-                 findings: Findings) -> str | None:
-    """Refuse a split whose estimated peak exceeds the GPU's memory (and bf16 on V100s, which lack it).
-    Returns the estimate's line for the report when it was made."""
-    gib, source = gpu_memory(job)
-    v100 = is_v100(job)
-    if t.precision == "bf16" and v100:
-        findings.error("bf16-on-v100", "--precision bf16 on V100 GPUs: V100s have no bf16; use --precision fp16 "
-                       "(autocast with a GradScaler)")
-    if gib is None or t.layout != "replica" or nb_part < 1 or t.unchecked:
-        return None  # unknown GPU, the stage layout (not modelled), or shell variables on the line
-    model = model_args(t)
-    try:
-        parts = estimate_memory(model, t, nb_part, replicas)
-    except ValueError:
-        return None  # chunks/batch already reported by check_training
-    worst = max(parts, key=lambda m: m.total)
-    line = format_memory(parts, gib) + f" ({source})"
-    shared = shared_gpu_memory(parts, t.devices)
-    if shared:  # --devices 0,0: the parts on one GPU add up (one CUDA context and allocator allowance between them)
-        gpu, on_it, total = shared
-        line += f"; GPU {gpu} holds parts {','.join(map(str, on_it))}: {total / GIB:.2f} GiB in all"
-        if total / GIB > gib:
-            findings.error("does-not-fit", f"--devices {','.join(map(str, t.devices))} puts parts "
-                           f"{','.join(map(str, on_it))} on GPU {gpu}: an estimated {total / GIB:.1f} GiB in all, "
-                           f"but the GPU has {gib:.1f} GiB ({source}); give each part its own GPU, or a smaller "
-                           f"--batch-size or --activation-checkpointing")
-            return line
-    if worst.total / GIB <= gib:
-        if worst.total / GIB > 0.9 * gib:
-            findings.warn("memory-tight", f"part {worst.part} ({worst.contents}) is estimated at "
-                          f"{worst.total / GIB:.1f} GiB of the {gib:.1f} GiB per GPU ({source}): little headroom")
-        return line
-    terms = " + ".join(f"{k} {v:.2f}" for k, v in worst.breakdown().items() if v >= 0.005)
-    fixes = memory_fixes(model, t, nb_part, replicas, tpn, gib, v100)
-    findings.error("does-not-fit",
-                   f"part {worst.part} ({worst.contents}) needs an estimated {worst.total / GIB:.1f} GiB per GPU but "
-                   f"the GPU has {gib:.1f} GiB ({source}); GiB: {terms}; activations are {worst.alive} micro-batch(es) "
-                   f"of {worst.per_micro_batch / GIB:.2f} GiB, all alive: with checkpoint=\"never\" GPipe keeps every "
-                   f"micro-batch until its backward, so more --chunks do not help. Fixes, each estimated: "
-                   + "; ".join(fixes))
-    return line
+# ---- I.5 What each torch release can run -----------------------------------------------------------------------------
+
+# One table for the trainers (which refuse up front, before init_process_group) and for this checker (which judges a
+# job script's `module load pytorch-gpu/py3/X`). Ranges are (major, minor), inclusive; None: no bound. Read off each
+# release's own sources in the matrix's venvs (`make lanes`, one per release): torch/distributed/pipeline/sync/ is in
+# 2.3.1 and gone from 2.4.1; torch/distributed/pipelining/ (PipelineStage, ScheduleGPipe, Schedule1F1B,
+# ScheduleInterleaved1F1B, ScheduleLoopedBFS) first ships in 2.4.
+TORCH_FEATURES = {
+    "engine torch-pipe": dict(flag="--engine torch-pipe", first=None, last=(2, 3),
+                              why="torch.distributed.pipeline was removed in 2.4",
+                              fix="use --engine fairscale (or auto), or module load pytorch-gpu/py3/2.3.1"),
+    "layout stage": dict(flag="the stage layout (bench_stage.py)", first=(2, 4), last=None,
+                         why="torch.distributed.pipelining first ships in 2.4",
+                         fix="use bench_ddp_transformer.py (the page's layout), or module load pytorch-gpu/py3/2.4.0 "
+                             "or later"),
+    # Only without a GPU (gloo): before 2.8, pipelining's _batch_p2p kept one of the requests that gloo returns for a
+    # batch of sends and receives and waited on that one alone (`batch_isend_irecv(ops).pop()` in 2.4.1 and 2.6.0
+    # schedules.py), so the schedules that batch a send with a receive wait forever; nccl coalesces a batch into
+    # one request and is not affected. pytorch/pytorch#132644, fixed by #152938 (2.8.0 returns and waits on all).
+    # Measured here: 1f1b and loopedbfs hang on 2.4.1 and 1f1b on 2.6.0 (gloo); gpipe sends and receives separately.
+    "gloo schedule": dict(flag="--schedule {schedule} without a GPU (gloo)", first=(2, 8), last=None,
+                          why="before 2.8 it waits forever on gloo, pytorch/pytorch#132644",
+                          fix="use --schedule gpipe on the CPU (GPUs with nccl are not affected)"),
+}
 
 
-def shared_gpu_memory(parts: list[PartMemory], devices: list[int] | None) -> tuple[int, list[int], int] | None:
-    """The GPU that holds the most bytes when --devices puts several parts on it: (GPU, its parts, bytes)."""
-    if not devices or len(set(devices)) == len(devices) or len(devices) != len(parts):
-        return None
-    per_gpu: dict[int, list[int]] = {}
-    for part, gpu in enumerate(devices):
-        per_gpu.setdefault(gpu, []).append(part)
-    gpu, on_it = max(per_gpu.items(), key=lambda kv: sum(parts[p].total for p in kv[1]))
-    total = sum(parts[p].total for p in on_it) - int((len(on_it) - 1) * ALLOWANCE_GIB * GIB)
-    return gpu, on_it, total
+def version_tuple(version: str) -> tuple[int, int]:
+    """'2.6.0+cu124' -> (2, 6)."""
+    major, minor = (re.findall(r"\d+", version) + ["0", "0"])[:2]
+    return int(major), int(minor)
 
 
-def bubble(nb_part: int, chunks: int) -> float:
-    """GPipe's idle fraction: (nb_part - 1) / (chunks + nb_part - 1)."""
-    return (nb_part - 1) / (chunks + nb_part - 1)
+def training_features(t: Training, cpu: bool = False) -> list[str]:
+    """The TORCH_FEATURES a training request uses (cpu: no GPU, so gloo)."""
+    if t.layout == "stage":
+        return ["layout stage"] + (["gloo schedule"] if cpu and t.schedule != "gpipe" else [])
+    return ["engine torch-pipe"] if t.engine == "torch-pipe" else []
 
 
-def advise(nodes: int, gpn: int, gib: float, model: dict, global_batch: int, v100: bool,
-           max_chunks: int = 32) -> list[dict]:
-    """Every split of `nodes` x `gpn` GPUs that fits in `gib` per GPU at this global batch, sorted by fewest GPUs
-    per replica, then by bubble."""
-    rows = []
-    low = "fp16" if v100 else "bf16"
-    for tpn in divisors(gpn):
-        nb_part, replicas = gpn // tpn, nodes * tpn
-        if global_batch % replicas or model["nlayers"] < nb_part:
-            continue
-        batch = global_batch // replicas
-        for chunks in ([1] if nb_part == 1 else [c for c in divisors(batch) if c <= max_chunks]):
-            m = dict(model, batch_size=batch, chunks=chunks)
-            for precision in ("fp32", low):
-                for ckpt in (False, True):
-                    for zero in ((False, True) if replicas > 1 else (False,)):
-                        t = Training(precision=precision, activation_checkpointing=ckpt, zero=zero)
-                        peak = _estimate(m, t, nb_part, replicas).total / GIB
-                        if peak <= gib:
-                            rows.append(dict(ntasks_per_node=tpn, nb_part=nb_part, replicas=replicas,
-                                             batch_size=batch, chunks=chunks, precision=precision,
-                                             activation_checkpointing=ckpt, zero=zero, peak_gib=round(peak, 2),
-                                             bubble=round(bubble(nb_part, chunks), 3)))
-    return sorted(rows, key=lambda r: (r["nb_part"], r["bubble"], r["peak_gib"]))
+def feature_range(name: str) -> str:
+    f = TORCH_FEATURES[name]
+    if f["first"] and f["last"]:
+        return f"torch {f['first'][0]}.{f['first'][1]} to {f['last'][0]}.{f['last'][1]}"
+    return f"torch >= {f['first'][0]}.{f['first'][1]}" if f["first"] else f"torch <= {f['last'][0]}.{f['last'][1]}"
 
 
-def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str, global_batch: int) -> str:
-    lines = [f"check_topology --advise: {nodes} node(s) x {gpn} GPU(s) of {gib:.1f} GiB ({source}), global batch "
-             f"{global_batch}: {len(rows)} split(s) fit, fewest GPUs per replica first, then by GPipe bubble",
-             f"  {'tasks/node':>10} {'nb_part':>7} {'replicas':>8} {'batch':>5} {'chunks':>6} {'precision':9} "
-             f"{'ckpt':4} {'zero':4} {'peak GiB':>8} {'bubble':>6}"]
-    for r in rows:
-        lines.append(f"  {r['ntasks_per_node']:>10} {r['nb_part']:>7} {r['replicas']:>8} {r['batch_size']:>5} "
-                     f"{r['chunks']:>6} {r['precision']:9} {'yes' if r['activation_checkpointing'] else 'no':4} "
-                     f"{'yes' if r['zero'] else 'no':4} {r['peak_gib']:>8.2f} {r['bubble']:>6.1%}")
-    if not rows:
-        lines.append("  nothing fits: use more GPUs, a smaller model (--nlayers, --d-model, --seq-len) or a smaller "
-                     "global batch")
-    return "\n".join(lines)
+def torch_refusals(version: str, t: Training, cpu: bool = False) -> list[str]:
+    """One line per feature of `t` that torch `version` lacks: the flag, the releases that have it, this release,
+    the fix. Empty when this release runs the request. The first refusal is enough: stage before 2.4 says only that."""
+    v = version_tuple(version)
+    for name in training_features(t, cpu):
+        f = TORCH_FEATURES[name]
+        if (f["first"] and v < f["first"]) or (f["last"] and v > f["last"]):
+            return [f"{f['flag'].format(schedule=t.schedule)} needs {feature_range(name)} ({f['why']}) but this is "
+                    f"torch {version}; {f['fix']}"]
+    return []
 
 
-# ---- checks -----------------------------------------------------------------------------------------------------
+def torch_version_of(module: str | None) -> tuple[int, int] | None:
+    m = re.search(r"pytorch[-\w]*/py3/(\d+)\.(\d+)", module or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+# ---- I.6 The trainers' checks of their arguments ---------------------------------------------------------------------
+
+def _choices(values: Iterable[int]) -> str:
+    values = sorted(set(values))
+    if not values:
+        return "none"
+    return ", ".join(map(str, values[:-1])) + (" or " if len(values) > 1 else "") + str(values[-1])
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = False) -> None:
     """The model and batch against the split: layers per part, chunks per batch."""
     model = model_args(t, cpu)  # the trainer's defaults where the line gives nothing
@@ -1015,195 +677,9 @@ def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None
     return pp * v
 
 
-# ---- what each torch release can run --------------------------------------------------------------------------------
-# One table for the trainers (which refuse up front, before init_process_group) and for this checker (which judges a
-# job script's `module load pytorch-gpu/py3/X`). Ranges are (major, minor), inclusive; None: no bound. Read off each
-# release's own sources in the matrix's venvs (`make lanes`, one per release): torch/distributed/pipeline/sync/ is in
-# 2.3.1 and gone from 2.4.1; torch/distributed/pipelining/ (PipelineStage, ScheduleGPipe, Schedule1F1B,
-# ScheduleInterleaved1F1B, ScheduleLoopedBFS) first ships in 2.4.
-TORCH_FEATURES = {
-    "engine torch-pipe": dict(flag="--engine torch-pipe", first=None, last=(2, 3),
-                              why="torch.distributed.pipeline was removed in 2.4",
-                              fix="use --engine fairscale (or auto), or module load pytorch-gpu/py3/2.3.1"),
-    "layout stage": dict(flag="the stage layout (bench_stage.py)", first=(2, 4), last=None,
-                         why="torch.distributed.pipelining first ships in 2.4",
-                         fix="use bench_ddp_transformer.py (the page's layout), or module load pytorch-gpu/py3/2.4.0 "
-                             "or later"),
-    # Only without a GPU (gloo): before 2.8, pipelining's _batch_p2p kept one of the requests that gloo returns for a
-    # batch of sends and receives and waited on that one alone (`batch_isend_irecv(ops).pop()` in 2.4.1 and 2.6.0
-    # schedules.py), so the schedules that batch a send with a receive wait forever; nccl coalesces a batch into
-    # one request and is not affected. pytorch/pytorch#132644, fixed by #152938 (2.8.0 returns and waits on all).
-    # Measured here: 1f1b and loopedbfs hang on 2.4.1 and 1f1b on 2.6.0 (gloo); gpipe sends and receives separately.
-    "gloo schedule": dict(flag="--schedule {schedule} without a GPU (gloo)", first=(2, 8), last=None,
-                          why="before 2.8 it waits forever on gloo, pytorch/pytorch#132644",
-                          fix="use --schedule gpipe on the CPU (GPUs with nccl are not affected)"),
-}
-
-
-def version_tuple(version: str) -> tuple[int, int]:
-    """'2.6.0+cu124' -> (2, 6)."""
-    major, minor = (re.findall(r"\d+", version) + ["0", "0"])[:2]
-    return int(major), int(minor)
-
-
-def training_features(t: Training, cpu: bool = False) -> list[str]:
-    """The TORCH_FEATURES a training request uses (cpu: no GPU, so gloo)."""
-    if t.layout == "stage":
-        return ["layout stage"] + (["gloo schedule"] if cpu and t.schedule != "gpipe" else [])
-    return ["engine torch-pipe"] if t.engine == "torch-pipe" else []
-
-
-def feature_range(name: str) -> str:
-    f = TORCH_FEATURES[name]
-    if f["first"] and f["last"]:
-        return f"torch {f['first'][0]}.{f['first'][1]} to {f['last'][0]}.{f['last'][1]}"
-    return f"torch >= {f['first'][0]}.{f['first'][1]}" if f["first"] else f"torch <= {f['last'][0]}.{f['last'][1]}"
-
-
-def torch_refusals(version: str, t: Training, cpu: bool = False) -> list[str]:
-    """One line per feature of `t` that torch `version` lacks: the flag, the releases that have it, this release,
-    the fix. Empty when this release runs the request. The first refusal is enough: stage before 2.4 says only that."""
-    v = version_tuple(version)
-    for name in training_features(t, cpu):
-        f = TORCH_FEATURES[name]
-        if (f["first"] and v < f["first"]) or (f["last"] and v > f["last"]):
-            return [f"{f['flag'].format(schedule=t.schedule)} needs {feature_range(name)} ({f['why']}) but this is "
-                    f"torch {version}; {f['fix']}"]
-    return []
-
-
-def torch_version_of(module: str | None) -> tuple[int, int] | None:
-    m = re.search(r"pytorch[-\w]*/py3/(\d+)\.(\d+)", module or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def check_engine(job: Job, t: Training, findings: Findings) -> None:
-    """The script's `module load pytorch-gpu/py3/X` against what its trainer line asks for (TORCH_FEATURES)."""
-    version = torch_version_of(job.torch_module)
-    if not version:
-        return
-    for line in torch_refusals(f"{version[0]}.{version[1]}", t):
-        line = line.replace(f"this is torch {version[0]}.{version[1]}", f"the script loads {job.torch_module}")
-        if t.layout == "replica":
-            findings.error("engine-unavailable", line)
-        else:
-            findings.error("torch-too-old", line)
-
-
-def check_cpus(job: Job, nb_part: int, tasks_per_node: list[int], findings: Findings) -> None:
-    ntype = node_type(job)
-    per_gpu = NODE_TYPES[ntype]["cores"] // NODE_TYPES[ntype]["gpus"] if ntype else None
-    want = per_gpu * nb_part if per_gpu else None
-    if job.cpus_per_task is None:
-        findings.warn("cpus-per-task-missing",
-                      "--cpus-per-task is not given: each task gets 1 core for itself and its DataLoader workers "
-                      "(and on Jean Zay only 1 core's share of memory); "
-                      + (f"add --cpus-per-task={want} ({per_gpu} per GPU x {nb_part} GPUs)" if want
-                         else "add --cpus-per-task=<cores per GPU x GPUs per task>"))
-    elif want and job.cpus_per_task < want:
-        findings.warn("cpus-per-task-small",
-                      f"--cpus-per-task={job.cpus_per_task} is below the {want} cores that go with {nb_part} GPU(s) "
-                      f"on {NODE_TYPES[ntype]['label']}; memory is granted per reserved core there: "
-                      f"use --cpus-per-task={want}")
-    elif job.cpus_per_task < 2:
-        findings.warn("cpus-per-task-small", f"--cpus-per-task={job.cpus_per_task} leaves no core for DataLoader "
-                      "workers; use at least 2")
-    if ntype and job.cpus_per_task:
-        cores = NODE_TYPES[ntype]["cores"]
-        busiest = max(tasks_per_node)
-        if job.cpus_per_task * busiest > cores:
-            fit = max(1, cores // busiest)
-            findings.error("cpus-exceed-node",
-                           f"{busiest} task(s) x --cpus-per-task={job.cpus_per_task} = "
-                           f"{busiest * job.cpus_per_task} cores, but {NODE_TYPES[ntype]['label']} have {cores}; "
-                           f"use --cpus-per-task <= {fit}")
-    if (job.hint or "").lower() != "nomultithread":
-        findings.warn("hint-missing", "--hint=nomultithread is not set: tasks get hyperthreads instead of "
-                      "physical cores (Jean Zay's advice for GPU jobs is --hint=nomultithread)")
-
-
-def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings) -> None:
-    """The #SBATCH task counts: --ntasks-per-node missing, or a maximum because --ntasks asks fewer."""
-    n, k, nodes = job.ntasks, job.ntasks_per_node, job.nodes or 1
-    if k and n is not None and n < nodes:
-        findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: srun runs on {n} node(s) "
-                       f"only ('can't run {n} processes on {nodes} nodes', measured) and the others idle; use "
-                       f"--nodes={n}")
-    elif k and n is not None and caps and n < nodes * k:
-        placed = spread(n, caps)
-        if len(set(placed)) > 1:
-            findings.error("ntasks-mismatch",
-                           f"--ntasks={n} with --nodes={nodes} x --ntasks-per-node={k} = {nodes * k}: "
-                           f"--ntasks-per-node is then a maximum and srun places {','.join(map(str, placed))} "
-                           f"(measured); set --ntasks={nodes * k} or drop --ntasks")
-        else:
-            findings.warn("ntasks-per-node-max",
-                          f"--ntasks={n} on {nodes} node(s) runs {placed[0]} task(s) per node, below "
-                          f"--ntasks-per-node={k} (a maximum when --ntasks is given): SLURM_NTASKS_PER_NODE={k} then "
-                          f"misleads the page's code; set --ntasks-per-node={placed[0]}")
-    if k:
-        return
-    if n is None or n == nodes:
-        findings.warn("ntasks-per-node-missing",
-                      "--ntasks-per-node is not given: Slurm runs 1 task per node (pure model parallel inside "
-                      "each node) and SLURM_NTASKS_PER_NODE does not exist for the page's code; add "
-                      "--ntasks-per-node=1 to say so")
-    elif nodes == 1 or caps:
-        findings.warn("ntasks-per-node-missing",
-                      f"--ntasks-per-node is not given: SLURM_NTASKS_PER_NODE will not exist for the page's code; "
-                      f"add --ntasks-per-node={n // nodes}")
-    elif n % nodes:
-        findings.error("ntasks-per-node-missing",
-                       f"--ntasks={n} on --nodes={nodes} cannot be even ({n} tasks don't split over {nodes} nodes) "
-                       f"and, without --ntasks-per-node, Slurm packs them by free cores (-n 6 -N 3 gave 4,1,1 on the "
-                       f"test cluster): nodes get different nb_part; use --ntasks a multiple of {nodes} with "
-                       f"--ntasks-per-node")
-    else:
-        findings.error("ntasks-per-node-missing",
-                       f"--ntasks={n} on --nodes={nodes} without --ntasks-per-node may pack unevenly: Slurm packs "
-                       f"tasks by free cores (-n 6 -N 3 gave 4,1,1 on the test cluster), so nodes can get "
-                       f"different nb_part; add --ntasks-per-node={n // nodes}")
-
-
-def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) -> int | None:
-    """GPUs per node from --gres, --gpus-per-node, --gpus-per-task and --gpus, with the pairs Slurm refuses or
-    resolves against the user. Measured on slurm-wlm 22.05 (tests/test_sbatch_rules.py): --gres=gpu:2 with
-    --gpus-per-node=4 is accepted with the job keeping gpu:2 and every srun step then fails; --gres with a
-    --gpus-per-task that doesn't multiply to it, or a --gpus that isn't --gres x nodes, is refused at submission.
-    SchedMD's testsuite (testsuite/expect/test39.4) expects the same refusals from later releases."""
-    gres, gpn, gpt, total = job.gres_gpus, job.gpus_per_node, job.gpus_per_task, job.gpus_total
-    nodes, busiest = len(tasks_per_node), max(tasks_per_node)
-    if gres and gpn and gres != gpn:
-        findings.error("gpu-request-conflict",
-                       f"--gres=gpu:{gres} and --gpus-per-node={gpn} both set the GPUs per node: Slurm 22.05 accepts "
-                       f"the job with --gres's {gres} and every srun step then fails ('Step requested "
-                       f"gres_per_node=gpu:{gpn} is more than the job's gres_per_node=gpu:{gres}', measured in "
-                       f"either order); keep one of them")
-    per_node = gres or gpn
-    if per_node and gpt and gpt * busiest != per_node:
-        findings.error("gpu-request-conflict",
-                       f"--gpus-per-task={gpt} x {busiest} task(s) per node = {gpt * busiest} GPUs disagrees with "
-                       f"{'--gres=gpu:' if gres else '--gpus-per-node='}{per_node}: sbatch refuses the job (22.05: "
-                       f"'Requested node configuration is not available'); keep one of them")
-    if per_node and total and total != per_node * nodes:
-        findings.error("gpu-request-conflict",
-                       f"--gpus={total} disagrees with {'--gres=gpu:' if gres else '--gpus-per-node='}{per_node} "
-                       f"x {nodes} node(s) = {per_node * nodes}: sbatch refuses the job ('--gpus is not multiple of "
-                       f"--gres=gpu/--gpus-per-node', measured for --gres=gpu:2 --gpus=3); drop --gpus")
-    if per_node is None and gpt:
-        per_node = gpt * busiest
-    if per_node is None and total:
-        if nodes > 1:
-            even = total // nodes if total % nodes == 0 else None
-            findings.error("gpus-total-multinode",
-                           f"--gpus={total} is a total for {nodes} nodes: Slurm does not promise an even split "
-                           f"(measured: --gpus=6 on 2 nodes gave 4 and 2 GPUs), so nb_part can differ from node to "
-                           f"node; " + (f"use --gpus-per-node={even} or --gres=gpu:{even}" if even else
-                                        f"use --gres=gpu:N with N x {nodes} GPUs in all"))
-            per_node = max(1, total // nodes)
-        else:
-            per_node = total
-    return per_node
+def bubble(nb_part: int, chunks: int) -> float:
+    """GPipe's idle fraction: (nb_part - 1) / (chunks + nb_part - 1)."""
+    return (nb_part - 1) / (chunks + nb_part - 1)
 
 
 def check_bubble(nb_part: int, t: Training, findings: Findings) -> None:
@@ -1224,297 +700,140 @@ def check_bubble(nb_part: int, t: Training, findings: Findings) -> None:
                   f"step; {fix} brings it under 20 %")
 
 
-def check_gpu_cgroups(job: Job, tasks_per_node: list[int], gpn: int | None, findings: Findings) -> None:
-    if job.gpus_per_task and max(tasks_per_node) > 1:
-        findings.warn("gpus-per-task-cgroup",
-                      f"--gpus-per-task={job.gpus_per_task}: each task's GPUs sit in their own device cgroup, so "
-                      f"NCCL in one task no longer sees the node's other {(gpn or 0) - job.gpus_per_task} GPU(s) and "
-                      f"cannot detect NVLink between the {max(tasks_per_node)} tasks of a node (it falls back to "
-                      f"slower paths; NVIDIA/nccl issue 1066); use the page's form: --gres=gpu:{gpn} "
-                      f"--ntasks-per-node={max(tasks_per_node)}")
+# ======================================================================================================================
+# Part II. The pre-flight checker: Slurm 22.05, Jean Zay, reading job scripts, the report, the command line
+# ======================================================================================================================
 
 
-# Jean Zay's time limits. IDRIS, "GPU Partitions" (http://www.idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
-# "By default, the execution time is 10 minutes and cannot exceed 100 hours (... see the QoS)". The QoS hours
-# (qos_gpu-dev 2 h, qos_gpu-t3 20 h and the default, qos_gpu-t4 100 h; A100 without t4) are from the same page's
-# QoS table as DESIGN.md records it; the QoS table itself was not reachable from this session.
-DEFAULT_TIME_MINUTES = 10
-QOS_HOURS = {"dev": 2, "t3": 20, "t4": 100}
-QOS_WITHOUT_T4 = {"a100"}
-ACCOUNT_ARCH = {"v100-4": "v100", "v100-8": "v100", "a100": "a100", "h100": "h100"}
-ARCH_REQUEST = {"v100": "-C v100-32g (or no -C: gpu_p13)", "a100": "-C a100", "h100": "-C h100"}
+# ---- II.1 What it catches --------------------------------------------------------------------------------------------
+
+class UsageError(Exception):
+    """Bad command line or unreadable file: exit 2."""
+
+# Every finding the checker can give, with its level: `--json` carries these codes, and README.md lists exactly
+# this table (tests/test_check_topology.py compares the three: this table, the code, the README).
+CATCHES = {
+    # reading the script as sbatch 22.05 does
+    "no-shebang": ("error", "the first line is not #! and an interpreter (sbatch refuses the file)"),
+    "dos-line-breaks": ("error", "\\r\\n line ends (sbatch refuses the file)"),
+    "unknown-option": ("error", "an option sbatch or srun does not know, with a did-you-mean"),
+    "ambiguous-option": ("error", "an abbreviation that matches several options (getopt refuses it)"),
+    "option-prefix": ("warning", "an unambiguous abbreviation, which getopt accepts: write it in full"),
+    "stray-token": ("error", "a word in a #SBATCH line that is not an option (sbatch refuses the file)"),
+    "bad-directive": ("error", "a #SBATCH line that cannot be parsed (unbalanced quotes)"),
+    "bad-value": ("error", "a count, GPU request or binding that is not valid, e.g. -N=2"),
+    "bad-command": ("error", "a trainer line that cannot be parsed"),
+    "variable-in-directive": ("error", "$VARIABLES in #SBATCH lines, which sbatch does not expand"),
+    "ignored-directive": ("warning", "a directive sbatch ignores: indented, lower case, '# SBATCH', after the first command"),
+    "pbs-directive": ("error", "#PBS / #BSUB lines, which sbatch also reads, without --ignore-pbs"),
+    "hetjob": ("warning", "a heterogeneous job, whose components are checked as one"),
+    "node-range": ("warning", "--nodes=MIN-MAX: the plan assumes MIN"),
+    "no-trainer-line": ("warning", "no trainer line (bench_ddp_transformer.py or bench_stage.py): the defaults are checked"),
+    "unchecked-argument": ("warning", "a trainer argument given as a shell variable"),
+    # tasks and their placement
+    "trainer-without-srun": ("error", "a trainer line without srun in a job of several tasks or nodes (one process runs)"),
+    "nodes-missing": ("warning", "--ntasks without --nodes: Slurm picks the node count"),
+    "ntasks-per-node-missing": ("error/warning", "--ntasks-per-node missing: an error when several nodes may pack unevenly"),
+    "ntasks-mismatch": ("error", "--ntasks above nodes x --ntasks-per-node (refused), or below it and placed unevenly"),
+    "ntasks-per-node-max": ("warning", "--ntasks below nodes x --ntasks-per-node but even: SLURM_NTASKS_PER_NODE misleads"),
+    "ntasks-below-nodes": ("error", "fewer tasks than nodes"),
+    "uneven-tasks-per-node": ("error", "tasks per node differ, so nb_part differs between nodes"),
+    "step-nodes": ("error", "srun -N above the job's nodes"),
+    "step-too-many-tasks": ("error", "srun -n above what the allocation holds (srun refuses the step)"),
+    "srun-ntasks-per-node-ignored": ("warning", "srun --ntasks-per-node that srun ignores (it doesn't match -n)"),
+    "srun-ntasks-per-node-conflict": ("error", "srun --ntasks-per-node above what the nodes hold (placed unevenly)"),
+    "srun-gpu-option": ("warning", "srun --gres/--gpus* on the trainer's line, not modelled"),
+    # GPUs
+    "no-gpus": ("error", "no GPU requested"),
+    "gpu-request-conflict": ("error", "--gres=gpu:N with a --gpus-per-node, --gpus or --gpus-per-task that disagrees"),
+    "gpus-total-multinode": ("error", "--gpus=N (a total) over several nodes: no even split is promised"),
+    "gpus-exceed-node": ("error", "more GPUs per node than the node type has"),
+    "gpus-not-divisible": ("error", "GPUs per node not divisible by tasks per node"),
+    "more-tasks-than-gpus": ("error", "more tasks per node than GPUs: nb_part = 0"),
+    "gpu-index-past-visible": ("error", "a task would use a GPU index past what it sees (the first such index)"),
+    "devices-count": ("error", "--devices does not give one GPU index per part"),
+    "parts-share-gpu": ("warning", "--devices puts several parts on one GPU (a one-GPU check, not a speed figure)"),
+    "gpu-shared": ("error", "two tasks of a node on one GPU"),
+    "gpus-idle": ("warning", "GPUs nobody uses (how many, which)"),
+    "gpus-per-task-cgroup": ("warning", "--gpus-per-task: per-task GPU cgroups hide NVLink from NCCL"),
+    "gpu-bind-mask": ("warning", "--gpu-bind=mask_gpu, not modelled"),
+    "gpu-bind-closest": ("warning", "--gpu-bind=closest, which depends on the node"),
+    # cores, time, account, modules (Jean Zay)
+    "cpus-per-task-missing": ("warning", "--cpus-per-task missing (Jean Zay grants memory per core)"),
+    "cpus-per-task-small": ("warning", "--cpus-per-task below the node's cores per GPU x GPUs per task"),
+    "cpus-exceed-node": ("error", "tasks x --cpus-per-task above the node's cores"),
+    "hint-missing": ("warning", "--hint=nomultithread missing"),
+    "time-missing": ("warning", "--time missing: 10 minutes on Jean Zay's GPU partitions"),
+    "bad-time": ("error", "a --time Slurm does not read"),
+    "time-over-qos": ("error", "--time above the QoS limit (dev 2 h, t3 20 h, t4 100 h)"),
+    "account-mismatch": ("error", "an account suffix (@v100, @a100, @h100) that does not match the nodes asked for"),
+    "arch-h100-missing": ("error", "-C h100 without module load arch/h100 before pytorch-gpu"),
+    "engine-unavailable": ("error", "--engine torch-pipe with a pytorch-gpu/py3/2.4+ module"),
+    "torch-too-old": ("error", "bench_stage.py with a pytorch-gpu/py3 module older than 2.4"),
+    # memory (the section *Will it fit?*)
+    "does-not-fit": ("error", "a part's estimated peak memory above the GPU's"),
+    "memory-tight": ("warning", "a part's estimated peak memory close to the GPU's"),
+    "bf16-on-v100": ("error", "--precision bf16 on V100 GPUs, which have no bf16"),
+    "fp16-stage": ("error", "--precision fp16 in the stage layout, whose schedules leave no place for a GradScaler"),
+    # the model and the pipeline
+    "nlayers-below-nb-part": ("error", "fewer layers than GPUs per task"),
+    "nlayers-not-multiple": ("warning", "layers not a multiple of GPUs per task"),
+    "chunks-above-batch": ("error", "more chunks than the batch per replica"),
+    "chunks-not-dividing-batch": ("error", "chunks not dividing the batch per replica"),
+    "pipeline-bubble": ("warning", "chunks < 4 x nb_part: the bubble fraction and the chunks that bring it under 20 %"),
+    "bad-engine": ("error", "an --engine the trainer does not have"),
+    "bad-layout": ("error", "an argument the trainer's script does not have: --layout, or the other layout's "
+                   "(--pp on bench_ddp_transformer.py, --nb-part on bench_stage.py)"),
+    "bad-schedule": ("error", "a --schedule the stage layout does not have"),
+    "pp-too-small": ("error", "stage layout: --pp below 2"),
+    "pp-not-dividing-world": ("error", "stage layout: --pp not dividing the tasks"),
+    "pipeline-spans-nodes": ("warning", "stage layout: pipelines that cross nodes"),
+    "chunks-below-stages": ("error", "stage layout: 1F1B with fewer chunks than stages"),
+    "chunks-not-rounds": ("error", "stage layout: interleaved chunks not a multiple of the rounds"),
+    # inside a running step (srun python check_topology.py)
+    "task-missing": ("error", "a task that never reported to task 0"),
+    "affinity-small": ("warning", "a task may run on fewer CPUs than --cpus-per-task"),
+    "no-gpu-visible": ("warning", "a task that sees no GPU"),
+}
 
 
-def time_minutes(value: str) -> float | None:
-    """A Slurm time (man sbatch: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
-    days-hours:minutes:seconds) in minutes; None when it is none of those."""
-    v = value.strip()
-    if v.upper() in ("UNLIMITED", "INFINITE"):
-        return float("inf")
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", v)
-    if not m:
-        return None
-    d, a, b, c = m.groups()
-    if d is not None:
-        return int(d) * 1440 + int(a) * 60 + int(b or 0) + int(c or 0) / 60
-    if c is not None:
-        return int(a) * 60 + int(b) + int(c) / 60
-    return int(a) + int(b or 0) / 60
-
-
-def check_time(job: Job, findings: Findings) -> None:
-    if job.time == "allocated":  # inside the allocation the limit is already granted
-        return
-    if job.time is None:
-        findings.warn("time-missing", f"--time is not given: the partition's default applies, {DEFAULT_TIME_MINUTES} "
-                      "minutes on Jean Zay's GPU partitions; add --time=HH:MM:SS, e.g. --time=02:00:00")
-        return
-    minutes = time_minutes(job.time)
-    if minutes is None:
-        findings.error("bad-time", f"--time={job.time!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
-        return
-    m = re.search(r"(dev|t3|t4)$", (job.qos or "t3").lower())
-    if not m or node_type(job) is None and job.partition is not None:
-        return  # a QoS or partition that isn't Jean Zay's
-    qos, arch = m.group(1), ACCOUNT_ARCH.get(node_type(job) or "v100-4")
-    limit = QOS_HOURS[qos]
-    if minutes > limit * 60:
-        longer = [q for q, h in QOS_HOURS.items() if h * 60 >= minutes and not (q == "t4" and arch in QOS_WITHOUT_T4)]
-        name = job.qos or "the default QoS (t3)"
-        findings.error("time-over-qos",
-                       f"--time={job.time} ({minutes / 60:.1f} h) is over the {limit} h of {name}: Slurm won't run "
-                       f"the job; " + (f"add --qos=qos_gpu{'' if arch == 'v100' else '_' + arch}-{longer[0]}"
-                                       f" (up to {QOS_HOURS[longer[0]]} h)" if longer else
-                                       f"use --time <= {max(h for q, h in QOS_HOURS.items() if not (q == 't4' and arch in QOS_WITHOUT_T4))}:00:00"
-                                       " and resume from a checkpoint"))
-
-
-def check_jean_zay(job: Job, findings: Findings) -> None:
-    """The account's hours and the H100 modules. IDRIS, "GPU Partitions": a project spends V100, A100 or H100
-    hours through <project>@v100, @a100 or @h100; the H100 nodes' software stack is loaded with
-    `module load arch/h100` before the other modules (IDRIS's H100 examples and users' Jean Zay scripts)."""
-    arch = ACCOUNT_ARCH.get(node_type(job) or "v100-4")
-    suffix = (job.account or "").rpartition("@")[2].lower() if "@" in (job.account or "") else None
-    if suffix in ARCH_REQUEST and arch and suffix != arch:
-        findings.error("account-mismatch",
-                       f"--account={job.account} spends {suffix.upper()} hours but the job asks for {arch.upper()} "
-                       f"nodes ({'-C ' + job.constraint if job.constraint else '-p ' + job.partition if job.partition else 'no -C: the default gpu_p13'}); "
-                       f"use --account=<project>@{arch}, or {ARCH_REQUEST[suffix]} for the nodes of that account")
-    if node_type(job) == "h100" and job.torch_module:
-        mods = job.modules
-        before = mods[:mods.index(job.torch_module)] if job.torch_module in mods else mods
-        if not any(m.startswith("arch/h100") for m in before):
-            findings.error("arch-h100-missing",
-                           f"-C h100 with 'module load {job.torch_module}' but no 'module load arch/h100' before it: "
-                           "on Jean Zay the H100 nodes need the modules built for them; add 'module load arch/h100' "
-                           "before the pytorch-gpu line")
-
+# ---- II.2 Slurm 22.05: the request, the option tables, the placement of tasks and GPUs -------------------------------
 
 @dataclass
-class Report:
-    job: Job
-    training: Training
-    tasks: list[TaskPlan]
-    findings: Findings
-    notes: list[str] = field(default_factory=list)
+class Job:
+    """A Slurm request (from #SBATCH lines, command-line flags, or an allocation's SLURM_* variables)."""
+    nodes: int | None = None
+    ntasks: int | None = None
+    ntasks_per_node: int | None = None
+    tasks_per_node: list[int] | None = None  # known per node only inside an allocation
+    gpus_per_node: int | None = None
+    gpus_per_task: int | None = None
+    gpus_total: int | None = None
+    gpu_bind: str | None = None
+    cpus_per_task: int | None = None
+    hint: str | None = None
+    constraint: str | None = None
+    partition: str | None = None
+    time: str | None = None
+    torch_module: str | None = None  # `module load pytorch-gpu/py3/<version>`
+    gpu_mem: float | None = None  # --gpu-mem: GiB per GPU, given by the user
+    gpu_mem_seen: float | None = None  # GiB per GPU as nvidia-smi shows it inside the allocation
+    source: str = "command line"
+    gres_gpus: int | None = None  # --gres=gpu:N (GPUs per node), kept apart from --gpus-per-node to compare them
+    account: str | None = None
+    qos: str | None = None
+    distribution: str | None = None
+    ignore_pbs: bool = False
+    modules: list[str] = field(default_factory=list)  # every `module load` argument, in order
+    srun: bool | None = None  # the trainer's line starts with srun (None: no trainer line)
+    launcher: str | None = None  # what comes before the trainer's script on its line
+    trainer: str = "bench_ddp_transformer.py"  # the script on it
+    step_nodes: int | None = None  # srun's own -N / -n / --ntasks-per-node on the trainer's line
+    step_ntasks: int | None = None
+    step_ntasks_per_node: int | None = None
+    step_cpus_per_task: int | None = None  # srun -c: 22.05's srun does not inherit the job's --cpus-per-task
+    placement: str = "exact"  # "possible": Slurm decides by free cores; the plan shows one placement it may make
 
-    @property
-    def ok(self) -> bool:
-        return not self.findings.errors
-
-    def as_dict(self) -> dict:
-        return {
-            "ok": self.ok, "job": asdict(self.job), "training": asdict(self.training),
-            "tasks": [dict(asdict(t), first_part=t.first_part, last_part=t.last_part, contents=t.contents)
-                      for t in self.tasks],
-            "findings": [asdict(f) for f in self.findings], "notes": self.notes,
-        }
-
-    def text(self) -> str:
-        j, t = self.job, self.training
-        lines = [f"check_topology: {j.source}"]
-        if self.tasks:
-            tpn = sorted({p.tasks_on_node for p in self.tasks})
-            nbp = sorted({p.nb_part for p in self.tasks})
-            nodes = len({p.node for p in self.tasks})
-            gpn = j.gpus_per_node if j.gpus_per_node is not None else "?"
-            what = (f"{len(self.tasks)} task(s) = {len(self.tasks) // max(t.pp, 1)} pipeline(s) x pp {t.pp} "
-                    f"(stage layout, schedule {t.schedule})" if t.layout == "stage" else
-                    f"{len(self.tasks)} task(s) = model replicas, nb_part {_choices(nbp)}")
-            lines.append(f"  {nodes} node(s) x {gpn} GPU(s), tasks per node {_choices(tpn)} -> {what}, "
-                         f"{t.nlayers} layers")
-            lines.append(f"  {'task':>4} {'node':>4} {'local':>5}  {'GPUs (node ids)':16} {'.to() indices':14} "
-                         "parts")
-            shown = 0
-            for p in self.tasks:
-                if shown >= 16 and len(self.tasks) > 20:
-                    lines.append(f"  ... {len(self.tasks) - shown} more task(s); --json lists them all")
-                    break
-                gpus = ",".join(p.gpu_ids) if p.gpu_ids else ("cpu" if p.cpu else "-")
-                idx = ",".join(map(str, p.devices)) if p.devices else "-"
-                if t.layout == "stage" and t.pp >= 2:  # a GPU per task, holding its stage(s) of a pipeline
-                    v = stages_per_rank(t.schedule, t.virtual_stages)
-                    contents = part_contents(t.nlayers or 0, t.pp * v)
-                    ids = [p.rank % t.pp + k * t.pp for k in range(v)]
-                    parts = f"{p.device(0) if p.cpu or p.devices else '?'}: " + " | ".join(
-                        f"stage {s}: {contents[s]}" for s in ids) + f"  (pipeline {p.rank // t.pp})"
-                else:
-                    parts = " | ".join(f"{(p.device(i) if p.cpu or i < len(p.devices) else '?')}: {c}"
-                                       for i, c in enumerate(p.contents)) if p.nb_part else "-"
-                lines.append(f"  {p.rank:>4} {p.node:>4} {p.local_rank:>5}  {gpus:16} {idx:14} {parts}")
-                shown += 1
-        lines += [f"  note: {n}" for n in self.notes]
-        if self.findings:
-            lines += [f"  {f}" for f in self.findings]
-        e, w = len(self.findings.errors), len(self.findings) - len(self.findings.errors)
-        lines.append(f"  => {'OK' if self.ok else 'NOT OK'}: {e} error(s), {w} warning(s)")
-        return "\n".join(lines)
-
-
-def check_gpus_fit(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
-    """A GPU request at all, one the node can hold, tasks per node that agree, GPUs that divide among them."""
-    ntype = node_type(job)
-    if not gpn:
-        findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) or "
-                       "--gpus-per-node=N")
-    elif ntype and gpn > NODE_TYPES[ntype]["gpus"]:
-        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {NODE_TYPES[ntype]['label']} have "
-                       f"{NODE_TYPES[ntype]['gpus']}; use --gres=gpu:{NODE_TYPES[ntype]['gpus']} or another "
-                       f"partition (-p gpu_p2 / -C a100 for 8 GPUs)")
-    reported = any(f.level == "error" and f.code in ("ntasks-mismatch", "ntasks-per-node-missing") for f in findings)
-    if len(set(tasks_per_node)) > 1 and job.placement == "exact" and not reported:
-        nbs = {n: (gpn or 0) // n for n in tasks_per_node}
-        findings.error("uneven-tasks-per-node",
-                       f"tasks per node differ ({','.join(map(str, tasks_per_node))}): nodes get nb_part "
-                       f"{_choices(nbs.values())}, so replicas differ in layout and speed (the page's code even "
-                       f"lacks SLURM_NTASKS_PER_NODE); use --nodes={len(tasks_per_node)} with the same "
-                       f"--ntasks-per-node on every node")
-
-
-def check_divisible(job: Job, gpn: int | None, tasks_per_node: list[int], training: Training,
-                    findings: Findings) -> None:
-    bound = bool(job.gpus_per_task) or re.sub(r"^verbose,", "", (job.gpu_bind or "none").lower()) != "none"
-    if not gpn or bound or training.nb_part:
-        return
-    for tasks in sorted(set(tasks_per_node)):
-        if tasks <= gpn and gpn % tasks:
-            nb = gpn // tasks
-            idle = list(range(nb * tasks, gpn))
-            findings.error("gpus-not-divisible",
-                           f"{gpn} GPUs per node are not divisible by {tasks} tasks per node: nb_part = "
-                           f"{gpn} // {tasks} = {nb} and {len(idle)} GPU(s) ({','.join(map(str, idle))}) stay "
-                           f"idle; use --ntasks-per-node in {_choices(divisors(gpn))}")
-            return
-
-
-def check_job(job: Job, training: Training) -> Report:
-    """Plan every task of a request and check the whole."""
-    findings = Findings()
-    tasks_per_node = job_tasks_per_node(job, findings)
-    gpn = step_gpus_per_node(job, tasks_per_node, findings)
-    job.gpus_per_node = gpn
-    if training.nlayers is None:  # the trainer's own default for what it will run on
-        training.nlayers = (GPU_DEFAULTS if gpn else CPU_DEFAULTS)["nlayers"]
-    check_gpus_fit(job, gpn, tasks_per_node, findings)
-    stage = training.layout == "stage"
-    if stage:
-        training.nb_part = 1  # a task per GPU
-    check_divisible(job, gpn, tasks_per_node, training, findings)
-    plans: list[TaskPlan] = []
-    for node, tasks in enumerate(tasks_per_node):
-        for local in range(tasks):
-            visible = gpu_view(job, local, tasks, gpn, findings) if gpn else []
-            plans.append(plan_task(len(plans), node, local, tasks, visible, gpn, training.nlayers,
-                                   training.nb_part, findings, training.devices))
-    _dedupe(findings)
-    report = Report(job, training, plans, findings)
-    check_node_usage(report)
-    nb_parts = [p.nb_part for p in plans if p.nb_part]
-    if stage:
-        check_training(check_stage(len(plans), tasks_per_node, gpn, training, findings), training, findings)
-    elif nb_parts:
-        check_training(min(nb_parts), training, findings, cpu=not gpn)
-        if gpn:
-            check_bubble(min(nb_parts), training, findings)
-        line = check_memory(job, training, min(nb_parts), len(plans), max(tasks_per_node), findings) if gpn else None
-        report.notes += [line] if line else []
-    check_engine(job, training, findings)
-    check_gpu_cgroups(job, tasks_per_node, gpn, findings)
-    check_cpus(job, min(nb_parts) if nb_parts else 1, tasks_per_node, findings)
-    check_time(job, findings)
-    check_jean_zay(job, findings)
-    note_page_indexing(report)
-    if job.placement == "possible":
-        report.notes.append(f"placement: Slurm decides by free cores; the table shows one placement it may make "
-                            f"({','.join(map(str, tasks_per_node))} task(s) per node)")
-    return report
-
-
-def check_node_usage(report: Report) -> None:
-    """Two tasks of a node on one GPU, and GPUs nobody uses."""
-    by_node: dict[int, list[TaskPlan]] = {}
-    for p in report.tasks:
-        by_node.setdefault(p.node, []).append(p)
-    gpn = report.job.gpus_per_node
-    for node, plans in sorted(by_node.items()):
-        owners: dict[str, list[int]] = {}
-        for p in plans:
-            for g in dict.fromkeys(p.gpu_ids):  # a task's own parts may share a GPU (--devices 0,0)
-                owners.setdefault(g, []).append(p.rank)
-        shared = {g: r for g, r in owners.items() if len(r) > 1}
-        if shared:
-            g, r = sorted(shared.items())[0]
-            fix = ("give each task its own GPUs, e.g. --gpu-bind=map_gpu:" + ",".join(
-                       str(i * (gpn or 1) // len(plans)) for i in range(len(plans)))
-                   if "map_gpu" in (report.job.gpu_bind or "") else
-                   f"use --nb-part <= {(gpn or 0) // len(plans)} or fewer tasks per node")
-            report.findings.error("gpu-shared",
-                                  f"node {node}: GPU {g} is used by tasks {', '.join(map(str, r))} "
-                                  f"({len(shared)} GPU(s) shared in all); {fix}")
-        if gpn and any(p.gpu_ids for p in plans) and not any(f.code == "gpus-not-divisible"
-                                                             for f in report.findings):
-            idle = [str(i) for i in range(gpn) if str(i) not in owners]
-            if idle:
-                report.findings.warn("gpus-idle",
-                                     f"node {node}: {len(idle)} of {gpn} GPU(s) stay idle ({','.join(idle)}) "
-                                     f"({len(plans)} task(s) x nb_part {plans[0].nb_part}); choose "
-                                     f"--ntasks-per-node in {_choices(divisors(gpn))} without --nb-part")
-                if len(by_node) > 1 and all(len(v) == len(plans) for v in by_node.values()):
-                    break  # same layout everywhere: once is enough
-        if shared and len(by_node) > 1:
-            break
-    _dedupe(report.findings)
-
-
-def note_page_indexing(report: Report) -> None:
-    """Per-task GPU binding breaks the page's own indexing; say what it would have done."""
-    for p in report.tasks:
-        if not p.bound or p.tasks_on_node < 2:
-            continue
-        visible = p.visible
-        nb, first, last = page_indexing(p.local_rank, p.tasks_on_node, visible)
-        if nb < 1 or last >= visible or nb != p.nb_part:
-            report.notes.append(
-                f"per-task GPU binding: task {p.rank} sees only {visible} GPU(s); the page's own indexing "
-                f"(nb_part = device_count() // {p.tasks_on_node} = {nb}, first_part = local_rank * nb_part = "
-                f"{first}) would " + ("index past device_count()" if nb < 1 or last >= visible
-                                      else f"use {nb} of its {visible} GPUs")
-                + "; bench_ddp_transformer.py starts at visible GPU 0 and uses them all")
-            return
-
-
-def _dedupe(findings: Findings) -> None:
-    seen, kept = set(), []
-    for f in findings:
-        key = (f.level, f.code)
-        if key in seen and f.code in ("more-tasks-than-gpus", "gpu-index-past-visible"):
-            continue
-        seen.add(key)
-        kept.append(f)
-    findings[:] = kept
-
-
-# ---- reading an sbatch file the way sbatch does -------------------------------------------------------------------
 # The option tables of Slurm 22.05 (Debian bookworm's slurm-wlm): every option `man sbatch` / `man srun` list, with
 # r = takes a value, o = an optional value (only as --name=value), n = a flag; plus the undocumented aliases the real
 # commands accepted on the test cluster (sbatch/srun --tasks-per-node, srun --pack-group and --cpu_bind).
@@ -1522,7 +841,6 @@ def _dedupe(findings: Findings) -> None:
 # (e.g. 23.02's --tres-per-task): a newer one used here is reported as unknown to 22.05.
 def _table(spec: str) -> dict[str, str]:
     return dict(item.split(":") for item in spec.split())
-
 
 SBATCH_LONG = _table(
     "account:r acctg-freq:r array:r batch:r bb:r bbf:r begin:r chdir:r cluster-constraint:r clusters:r comment:r "
@@ -1673,7 +991,6 @@ def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
         return int(count)
     return None
 
-
 INT_FIELDS = {"nodes": "nodes", "ntasks": "ntasks", "ntasks-per-node": "ntasks_per_node",
               "cpus-per-task": "cpus_per_task", "gpus-per-node": "gpus_per_node", "gpus-per-task": "gpus_per_task",
               "gpus": "gpus_total"}
@@ -1704,7 +1021,6 @@ def apply_option(job: Job, name: str, value: str | None, where: str, findings: F
         setattr(job, TEXT_FIELDS[name], value)
     elif name == "ignore-pbs":
         job.ignore_pbs = True
-
 
 STEP_FIELDS = {"nodes": "step_nodes", "ntasks": "step_ntasks", "ntasks-per-node": "step_ntasks_per_node",
                "cpus-per-task": "step_cpus_per_task"}
@@ -1740,17 +1056,469 @@ def check_gpu_bind(value: str, where: str, findings: Findings) -> None:
                    "(closest, map_gpu:, mask_gpu:, per_task:, single:, none)")
 
 
-def parse_devices(value: str, where: str, findings: Findings) -> list[int] | None:
-    """--devices 0,0: visible GPU indices, one per part."""
-    try:
-        devices = [int(x) for x in value.split(",")]
-        if min(devices) < 0:
-            raise ValueError
-        return devices
-    except ValueError:
-        findings.error("bad-value", f"{where}: --devices {value!r} must be GPU indices separated by commas, "
-                       "one per part, e.g. --devices 0,0")
+def time_minutes(value: str) -> float | None:
+    """A Slurm time (man sbatch: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+    days-hours:minutes:seconds) in minutes; None when it is none of those."""
+    v = value.strip()
+    if v.upper() in ("UNLIMITED", "INFINITE"):
+        return float("inf")
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", v)
+    if not m:
         return None
+    d, a, b, c = m.groups()
+    if d is not None:
+        return int(d) * 1440 + int(a) * 60 + int(b or 0) + int(c or 0) / 60
+    if c is not None:
+        return int(a) * 60 + int(b) + int(c) / 60
+    return int(a) + int(b or 0) / 60
+
+
+def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
+             findings: Findings) -> list[str]:
+    """The GPU ids one task sees, as Slurm shows them (seen on the test cluster): all of the node's without
+    binding; its own share with --gpus-per-task; the mapped ones with --gpu-bind=map_gpu."""
+    everything = [str(i) for i in range(gpus_on_node)]
+    bind = re.sub(r"^verbose,", "", (job.gpu_bind or "").lower())
+    if bind.startswith("map_gpu:"):
+        ids = [x for x in bind.split(":", 1)[1].split(",") if x]
+        entry = ids[local_rank % len(ids)]
+        return [entry.split("*")[0]]
+    if bind.startswith("per_task:"):
+        n = int(bind.split(":", 1)[1])
+        return everything[local_rank * n:(local_rank + 1) * n]
+    if bind in ("", "none") and job.gpus_per_task and bind != "none":
+        g = job.gpus_per_task
+        return everything[local_rank * g:(local_rank + 1) * g]
+    return everything
+
+
+def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, int]:
+    """What the allocation holds on each node, in tasks (None: Slurm decides by free cores), the job's task count
+    (which srun inherits, as SLURM_NTASKS or, without -n, one per node). Measured with slurm-wlm 22.05 on the test
+    cluster (tests/test_placement_slurm.py): --ntasks-per-node=k reserves k tasks' cores on every node and
+    --ntasks=n then runs n of them; without it -n 6 -N 3 got 4,1,1 and -n 6 -N 2 -c 10 got 4,2."""
+    n, k, cap = job.ntasks, job.ntasks_per_node, node_cap(job)
+    nodes = job.nodes
+    if nodes is None:
+        if n and k:
+            nodes = -(-n // k)
+        elif n and not k and cap and n > cap:
+            nodes = -(-n // cap)
+        else:
+            nodes = 1
+        if n and not k:
+            findings.warn("nodes-missing", f"--nodes is not given: Slurm picks the node count for --ntasks={n}; "
+                          f"assuming {nodes} node(s); add --nodes={nodes}")
+        job.nodes = nodes
+    if k:
+        total = n if n is not None else nodes * k
+        if total > nodes * k:
+            findings.error("ntasks-mismatch",
+                           f"--ntasks={total} exceeds --nodes={nodes} x --ntasks-per-node={k} = {nodes * k}: sbatch "
+                           "refuses it ('Requested node configuration is not available'); set "
+                           f"--ntasks={nodes * k} or drop --ntasks")
+            total = nodes * k
+        # with --ntasks the allocation holds the cores of those n tasks only, at most k a node, on at most n nodes
+        # (measured: -N 1 -n 1 --ntasks-per-node 2 -c 1 refused srun -n 2, 'More processors requested than
+        # permitted'; -N 2 -n 1 --ntasks-per-node 1 -c 10 ran srun -n 4 on its one node)
+        return spread(total, [k] * min(nodes, total)), total
+    if n is None:  # one task per node, and srun inherits that count like a -n (srun -N 1 in -N 2 was refused)
+        return [1] * nodes, nodes
+    if n < nodes:
+        findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: every node needs a task; "
+                       f"use --nodes={n}")
+        job.nodes = n
+        return [1] * n, n
+    if nodes == 1 or n == nodes:
+        return [n // nodes] * nodes, n
+    if cap and n == nodes * cap:
+        return [cap] * nodes, n  # full nodes: no other packing fits
+    return None, n
+
+
+def spread(ntasks: int, caps: list[int]) -> list[int]:
+    """srun's default block distribution over the allocation: one task per node per round, a node taking no more
+    than it holds (srun -n 5 in 4(x3) gave 2,2,1; -n 4 in 2(x3) gave 2,1,1)."""
+    counts = [0] * len(caps)
+    while sum(counts) < min(ntasks, sum(caps)):
+        for i, c in enumerate(caps):
+            if counts[i] < c and sum(counts) < ntasks:
+                counts[i] += 1
+    return counts
+
+
+def packing(ntasks: int, nodes: int, cap: int | None) -> list[int]:
+    """One placement of free-core packing: the first nodes filled, one task left for each other node (what idle
+    nodes gave: -n 6 -N 3 -> 4,1,1; -n 9 -N 3 -> 7,1,1)."""
+    counts, left = [], ntasks
+    for i in range(nodes):
+        take = max(1, min(cap or ntasks, left - (nodes - i - 1)))
+        counts.append(take)
+        left -= take
+    return counts
+
+
+def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
+    """Tasks on each node of the trainer's step, as Slurm places them: the allocation's shape, then srun's
+    options on the trainer's line, which override it (and srun -n K alone inherits the job's nodes)."""
+    if job.tasks_per_node:  # inside an allocation: Slurm already placed them
+        return list(job.tasks_per_node)
+    caps, ntasks = allocation_tasks(job, findings)
+    nodes = len(caps) if caps else job.nodes
+    if job.srun is False:  # the batch step runs the line once: SLURM_PROCID=0, no SLURM_STEP_ID (measured)
+        if ntasks > 1 or nodes > 1:
+            findings.error("trainer-without-srun",
+                           f"the trainer's line starts with '{job.launcher}', not srun: in a job of {ntasks} task(s) "
+                           f"on {nodes} node(s) the batch script runs it once, as 1 process on the first node, not "
+                           f"{ntasks}; start it with: srun python {job.trainer} ...")
+        return [1]
+    placed = step_tasks_per_node(job, caps, ntasks, nodes, findings)
+    if (job.step_ntasks is None and job.step_nodes is None) or job.placement == "possible":  # the job's shape
+        check_allocation_shape(job, caps, ntasks, findings)
+    return placed
+
+
+def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: int, findings: Findings) -> list[int]:
+    """srun's placement of the trainer's step in the allocation (caps: tasks it holds per node, None: packed by
+    free cores), with srun's own -N / -n / --ntasks-per-node / -c from the trainer's line."""
+    k_step, m_step, j_step = job.step_ntasks, job.step_nodes, job.step_ntasks_per_node
+    n_step = k_step if k_step is not None else ntasks  # srun inherits the job's task count (SLURM_NTASKS)
+    # srun: "can't run K processes on M nodes, setting nnodes to K" (measured), else the job's nodes
+    m_step = min(m_step, n_step) if m_step else min(nodes, n_step)
+    if m_step > nodes:
+        findings.error("step-nodes", f"srun -N {m_step} but the job has {nodes} node(s): srun refuses the step; "
+                       f"use srun -N <= {nodes}")
+        m_step = nodes
+    if j_step and n_step != m_step * j_step:
+        findings.warn("srun-ntasks-per-node-ignored",
+                      f"srun --ntasks-per-node={j_step} does not match {n_step} task(s) on {m_step} node(s): srun "
+                      "ignores it ('can't honor --ntasks-per-node', measured); drop it or use srun "
+                      f"-n {m_step * j_step}")
+        j_step = None
+    if caps is None:
+        if j_step and j_step > 1:
+            findings.error("srun-ntasks-per-node-conflict",
+                           f"srun --ntasks-per-node={j_step} in an allocation packed by free cores (some nodes may "
+                           f"hold 1 task): Slurm then overcommits unevenly (measured: 3,2,1 for -N3 -n6 and srun "
+                           f"--ntasks-per-node=2); request --ntasks-per-node={j_step} in #SBATCH")
+        elif n_step == m_step:
+            return [1] * m_step
+        job.placement = "possible"  # go on with one packing Slurm may make (what idle nodes got)
+        caps = packing(ntasks, nodes, node_cap(job))
+    # the step fits its tasks in the allocation's cores; srun 22.05 does not read SLURM_CPUS_PER_TASK, so without
+    # srun -c a task takes 1 core (measured: -N 1 -c 10, then srun -n 2 ran 2 tasks; -N 2 -n 6 -c 10 held 4,2
+    # tasks and srun placed 3,3)
+    caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in caps[:m_step]]
+    if n_step > sum(caps):
+        findings.error("step-too-many-tasks",
+                       f"srun would start {n_step} task(s) on {m_step} node(s) whose allocation holds "
+                       f"{','.join(map(str, caps))} = {sum(caps)} of its cores: srun "
+                       + ("may refuse" if job.placement == "possible" else "refuses") + " the step ('More processors "
+                       f"requested than permitted', measured); use srun -n <= {sum(caps)}")
+        return caps
+    if j_step and any(c < j_step for c in caps):
+        findings.error("srun-ntasks-per-node-conflict",
+                       f"srun --ntasks-per-node={j_step} on nodes holding {','.join(map(str, caps))} task(s): Slurm "
+                       "then overcommits unevenly (measured: 3,2,1 for -N3 -n6 and srun --ntasks-per-node=2); "
+                       f"request --ntasks-per-node={j_step} in #SBATCH")
+        job.placement = "possible"
+        return packing(n_step, m_step, None)
+    return [j_step] * m_step if j_step else spread(n_step, caps)
+
+
+def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings) -> None:
+    """The #SBATCH task counts: --ntasks-per-node missing, or a maximum because --ntasks asks fewer."""
+    n, k, nodes = job.ntasks, job.ntasks_per_node, job.nodes or 1
+    if k and n is not None and n < nodes:
+        findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: srun runs on {n} node(s) "
+                       f"only ('can't run {n} processes on {nodes} nodes', measured) and the others idle; use "
+                       f"--nodes={n}")
+    elif k and n is not None and caps and n < nodes * k:
+        placed = spread(n, caps)
+        if len(set(placed)) > 1:
+            findings.error("ntasks-mismatch",
+                           f"--ntasks={n} with --nodes={nodes} x --ntasks-per-node={k} = {nodes * k}: "
+                           f"--ntasks-per-node is then a maximum and srun places {','.join(map(str, placed))} "
+                           f"(measured); set --ntasks={nodes * k} or drop --ntasks")
+        else:
+            findings.warn("ntasks-per-node-max",
+                          f"--ntasks={n} on {nodes} node(s) runs {placed[0]} task(s) per node, below "
+                          f"--ntasks-per-node={k} (a maximum when --ntasks is given): SLURM_NTASKS_PER_NODE={k} then "
+                          f"misleads the page's code; set --ntasks-per-node={placed[0]}")
+    if k:
+        return
+    if n is None or n == nodes:
+        findings.warn("ntasks-per-node-missing",
+                      "--ntasks-per-node is not given: Slurm runs 1 task per node (pure model parallel inside "
+                      "each node) and SLURM_NTASKS_PER_NODE does not exist for the page's code; add "
+                      "--ntasks-per-node=1 to say so")
+    elif nodes == 1 or caps:
+        findings.warn("ntasks-per-node-missing",
+                      f"--ntasks-per-node is not given: SLURM_NTASKS_PER_NODE will not exist for the page's code; "
+                      f"add --ntasks-per-node={n // nodes}")
+    elif n % nodes:
+        findings.error("ntasks-per-node-missing",
+                       f"--ntasks={n} on --nodes={nodes} cannot be even ({n} tasks don't split over {nodes} nodes) "
+                       f"and, without --ntasks-per-node, Slurm packs them by free cores (-n 6 -N 3 gave 4,1,1 on the "
+                       f"test cluster): nodes get different nb_part; use --ntasks a multiple of {nodes} with "
+                       f"--ntasks-per-node")
+    else:
+        findings.error("ntasks-per-node-missing",
+                       f"--ntasks={n} on --nodes={nodes} without --ntasks-per-node may pack unevenly: Slurm packs "
+                       f"tasks by free cores (-n 6 -N 3 gave 4,1,1 on the test cluster), so nodes can get "
+                       f"different nb_part; add --ntasks-per-node={n // nodes}")
+
+
+def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) -> int | None:
+    """GPUs per node from --gres, --gpus-per-node, --gpus-per-task and --gpus, with the pairs Slurm refuses or
+    resolves against the user. Measured on slurm-wlm 22.05 (tests/test_sbatch_rules.py): --gres=gpu:2 with
+    --gpus-per-node=4 is accepted with the job keeping gpu:2 and every srun step then fails; --gres with a
+    --gpus-per-task that doesn't multiply to it, or a --gpus that isn't --gres x nodes, is refused at submission.
+    SchedMD's testsuite (testsuite/expect/test39.4) expects the same refusals from later releases."""
+    gres, gpn, gpt, total = job.gres_gpus, job.gpus_per_node, job.gpus_per_task, job.gpus_total
+    nodes, busiest = len(tasks_per_node), max(tasks_per_node)
+    if gres and gpn and gres != gpn:
+        findings.error("gpu-request-conflict",
+                       f"--gres=gpu:{gres} and --gpus-per-node={gpn} both set the GPUs per node: Slurm 22.05 accepts "
+                       f"the job with --gres's {gres} and every srun step then fails ('Step requested "
+                       f"gres_per_node=gpu:{gpn} is more than the job's gres_per_node=gpu:{gres}', measured in "
+                       f"either order); keep one of them")
+    per_node = gres or gpn
+    if per_node and gpt and gpt * busiest != per_node:
+        findings.error("gpu-request-conflict",
+                       f"--gpus-per-task={gpt} x {busiest} task(s) per node = {gpt * busiest} GPUs disagrees with "
+                       f"{'--gres=gpu:' if gres else '--gpus-per-node='}{per_node}: sbatch refuses the job (22.05: "
+                       f"'Requested node configuration is not available'); keep one of them")
+    if per_node and total and total != per_node * nodes:
+        findings.error("gpu-request-conflict",
+                       f"--gpus={total} disagrees with {'--gres=gpu:' if gres else '--gpus-per-node='}{per_node} "
+                       f"x {nodes} node(s) = {per_node * nodes}: sbatch refuses the job ('--gpus is not multiple of "
+                       f"--gres=gpu/--gpus-per-node', measured for --gres=gpu:2 --gpus=3); drop --gpus")
+    if per_node is None and gpt:
+        per_node = gpt * busiest
+    if per_node is None and total:
+        if nodes > 1:
+            even = total // nodes if total % nodes == 0 else None
+            findings.error("gpus-total-multinode",
+                           f"--gpus={total} is a total for {nodes} nodes: Slurm does not promise an even split "
+                           f"(measured: --gpus=6 on 2 nodes gave 4 and 2 GPUs), so nb_part can differ from node to "
+                           f"node; " + (f"use --gpus-per-node={even} or --gres=gpu:{even}" if even else
+                                        f"use --gres=gpu:N with N x {nodes} GPUs in all"))
+            per_node = max(1, total // nodes)
+        else:
+            per_node = total
+    return per_node
+
+
+# ---- II.3 Jean Zay: node types, GPU memory, cores, time limits, accounts, modules ------------------------------------
+
+# Jean Zay's GPU nodes, by partition and by constraint (-C): GPUs and cores per node. Memory is granted per
+# reserved core there, so --cpus-per-task also sizes the task's host memory.
+NODE_TYPES = {
+    "v100-4": dict(gpus=4, cores=40, label="4-GPU V100 nodes (gpu_p13, 10 cores per GPU)"),
+    "v100-8": dict(gpus=8, cores=24, label="8-GPU V100 nodes (gpu_p2, 3 cores per GPU)"),
+    "a100": dict(gpus=8, cores=64, label="8-GPU A100 nodes (-C a100, 8 cores per GPU)"),
+    "h100": dict(gpus=4, cores=96, label="4-GPU H100 nodes (-C h100, 24 cores per GPU)"),
+}
+
+PARTITION_TYPES = {"gpu_p13": "v100-4", "gpu_p1": "v100-4", "gpu_p3": "v100-4", "gpu_p2": "v100-8",
+                   "gpu_p2s": "v100-8", "gpu_p2l": "v100-8", "gpu_p5": "a100", "gpu_p6": "h100"}
+CONSTRAINT_TYPES = {"a100": "a100", "h100": "h100"}
+
+# Memory of one GPU, GiB as nvidia-smi reports the boards' totals (V100-SXM2-16GB 16160 MiB, -32GB 32510 MiB,
+# A100-SXM4-40GB 40960 MiB, A100-SXM4-80GB 81920 MiB, H100 80GB HBM3 81559 MiB). Which board a request gets, from
+# IDRIS's "Jean Zay: GPU Slurm partitions" page (idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
+# -C v100-16g (ex gpu_p3) and -C v100-32g (ex gpu_p1) on gpu_p13's 4-GPU nodes, which mix both (so gpu_p13
+# without -C may get 16 GB: assume the smaller); gpu_p2 8 x V100 32 GB. The A100s, from the directive block of
+# IDRIS's job-script template as users' Jean Zay scripts copy it ("--partition=gpu_p4 ... (40GB A100 GPU)",
+# "-C a100 ... gpu_p5 partition (80GB A100 GPU)"): -C a100 means 80 GB, the 40 GB ones are -p gpu_p4.
+# -C h100 is gpu_p6's 4 x H100 80 GB (DESIGN.md's Jean Zay facts).
+GPU_MEMORY_GIB = {"v100-16g": 16160 / 1024, "v100-32g": 32510 / 1024, "gpu_p2": 32510 / 1024,
+                  "gpu_p4": 40960 / 1024, "a100": 81920 / 1024, "h100": 81559 / 1024}
+
+V100_PARTITIONS = ("gpu_p13", "gpu_p1", "gpu_p3", "gpu_p2", "gpu_p2s", "gpu_p2l")
+PARTITION_MEMORY = {"gpu_p13": "v100-16g", "gpu_p3": "v100-16g", "gpu_p1": "v100-32g", "gpu_p2": "gpu_p2",
+                    "gpu_p2s": "gpu_p2", "gpu_p2l": "gpu_p2", "gpu_p4": "gpu_p4", "gpu_p5": "a100", "gpu_p6": "h100"}
+
+# Jean Zay's time limits. IDRIS, "GPU Partitions" (http://www.idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
+# "By default, the execution time is 10 minutes and cannot exceed 100 hours (... see the QoS)". The QoS hours
+# (qos_gpu-dev 2 h, qos_gpu-t3 20 h and the default, qos_gpu-t4 100 h; A100 without t4) are from the same page's
+# QoS table as DESIGN.md records it; the QoS table itself was not reachable from this session.
+DEFAULT_TIME_MINUTES = 10
+
+QOS_HOURS = {"dev": 2, "t3": 20, "t4": 100}
+QOS_WITHOUT_T4 = {"a100"}
+ACCOUNT_ARCH = {"v100-4": "v100", "v100-8": "v100", "a100": "a100", "h100": "h100"}
+ARCH_REQUEST = {"v100": "-C v100-32g (or no -C: gpu_p13)", "a100": "-C a100", "h100": "-C h100"}
+
+
+def node_type(job: Job) -> str | None:
+    for c in re.split(r"[&|,\[\]*]", job.constraint or ""):
+        if c.strip().lower() in CONSTRAINT_TYPES:
+            return CONSTRAINT_TYPES[c.strip().lower()]
+    if job.partition in PARTITION_TYPES:
+        return PARTITION_TYPES[job.partition]
+    if job.partition is None and (job.constraint or "").lower().startswith("v100"):
+        return "v100-4"  # -C v100-16g / v100-32g select the default partition's 4-GPU nodes
+    return None  # unknown nodes: their sizes are not checked
+
+
+def node_cap(job: Job) -> int | None:
+    """Tasks of --cpus-per-task cores that fit on one node, when the node type is known."""
+    ntype = node_type(job)
+    return NODE_TYPES[ntype]["cores"] // (job.cpus_per_task or 1) if ntype else None
+
+
+def gpu_memory(job: "Job") -> tuple[float | None, str]:
+    """GiB of one of the job's GPUs and where that came from: --gpu-mem, else the GPUs of this allocation
+    (nvidia-smi), else the constraint or partition."""
+    if job.gpu_mem is not None:
+        return job.gpu_mem, f"--gpu-mem {job.gpu_mem:g}"
+    if job.gpu_mem_seen is not None:
+        return job.gpu_mem_seen, "the allocation's GPUs (nvidia-smi)"
+    for c in re.split(r"[&|,\[\]*]", (job.constraint or "").lower()):
+        if c.strip() in GPU_MEMORY_GIB:
+            return GPU_MEMORY_GIB[c.strip()], f"-C {c.strip()}"
+    kind = PARTITION_MEMORY.get(job.partition or "")
+    if kind:
+        return GPU_MEMORY_GIB[kind], f"partition {job.partition}" + (
+            ", which mixes 16 and 32 GB V100s: assuming 16 GB" if job.partition == "gpu_p13" else "")
+    return None, "unknown"
+
+
+def is_v100(job: "Job") -> bool:
+    return "v100" in (job.constraint or "").lower() or job.partition in V100_PARTITIONS
+
+
+def check_cpus(job: Job, nb_part: int, tasks_per_node: list[int], findings: Findings) -> None:
+    ntype = node_type(job)
+    per_gpu = NODE_TYPES[ntype]["cores"] // NODE_TYPES[ntype]["gpus"] if ntype else None
+    want = per_gpu * nb_part if per_gpu else None
+    if job.cpus_per_task is None:
+        findings.warn("cpus-per-task-missing",
+                      "--cpus-per-task is not given: each task gets 1 core for itself and its DataLoader workers "
+                      "(and on Jean Zay only 1 core's share of memory); "
+                      + (f"add --cpus-per-task={want} ({per_gpu} per GPU x {nb_part} GPUs)" if want
+                         else "add --cpus-per-task=<cores per GPU x GPUs per task>"))
+    elif want and job.cpus_per_task < want:
+        findings.warn("cpus-per-task-small",
+                      f"--cpus-per-task={job.cpus_per_task} is below the {want} cores that go with {nb_part} GPU(s) "
+                      f"on {NODE_TYPES[ntype]['label']}; memory is granted per reserved core there: "
+                      f"use --cpus-per-task={want}")
+    elif job.cpus_per_task < 2:
+        findings.warn("cpus-per-task-small", f"--cpus-per-task={job.cpus_per_task} leaves no core for DataLoader "
+                      "workers; use at least 2")
+    if ntype and job.cpus_per_task:
+        cores = NODE_TYPES[ntype]["cores"]
+        busiest = max(tasks_per_node)
+        if job.cpus_per_task * busiest > cores:
+            fit = max(1, cores // busiest)
+            findings.error("cpus-exceed-node",
+                           f"{busiest} task(s) x --cpus-per-task={job.cpus_per_task} = "
+                           f"{busiest * job.cpus_per_task} cores, but {NODE_TYPES[ntype]['label']} have {cores}; "
+                           f"use --cpus-per-task <= {fit}")
+    if (job.hint or "").lower() != "nomultithread":
+        findings.warn("hint-missing", "--hint=nomultithread is not set: tasks get hyperthreads instead of "
+                      "physical cores (Jean Zay's advice for GPU jobs is --hint=nomultithread)")
+
+
+def check_time(job: Job, findings: Findings) -> None:
+    if job.time == "allocated":  # inside the allocation the limit is already granted
+        return
+    if job.time is None:
+        findings.warn("time-missing", f"--time is not given: the partition's default applies, {DEFAULT_TIME_MINUTES} "
+                      "minutes on Jean Zay's GPU partitions; add --time=HH:MM:SS, e.g. --time=02:00:00")
+        return
+    minutes = time_minutes(job.time)
+    if minutes is None:
+        findings.error("bad-time", f"--time={job.time!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
+        return
+    m = re.search(r"(dev|t3|t4)$", (job.qos or "t3").lower())
+    if not m or node_type(job) is None and job.partition is not None:
+        return  # a QoS or partition that isn't Jean Zay's
+    qos, arch = m.group(1), ACCOUNT_ARCH.get(node_type(job) or "v100-4")
+    limit = QOS_HOURS[qos]
+    if minutes > limit * 60:
+        longer = [q for q, h in QOS_HOURS.items() if h * 60 >= minutes and not (q == "t4" and arch in QOS_WITHOUT_T4)]
+        name = job.qos or "the default QoS (t3)"
+        findings.error("time-over-qos",
+                       f"--time={job.time} ({minutes / 60:.1f} h) is over the {limit} h of {name}: Slurm won't run "
+                       f"the job; " + (f"add --qos=qos_gpu{'' if arch == 'v100' else '_' + arch}-{longer[0]}"
+                                       f" (up to {QOS_HOURS[longer[0]]} h)" if longer else
+                                       f"use --time <= {max(h for q, h in QOS_HOURS.items() if not (q == 't4' and arch in QOS_WITHOUT_T4))}:00:00"
+                                       " and resume from a checkpoint"))
+
+
+def check_jean_zay(job: Job, findings: Findings) -> None:
+    """The account's hours and the H100 modules. IDRIS, "GPU Partitions": a project spends V100, A100 or H100
+    hours through <project>@v100, @a100 or @h100; the H100 nodes' software stack is loaded with
+    `module load arch/h100` before the other modules (IDRIS's H100 examples and users' Jean Zay scripts)."""
+    arch = ACCOUNT_ARCH.get(node_type(job) or "v100-4")
+    suffix = (job.account or "").rpartition("@")[2].lower() if "@" in (job.account or "") else None
+    if suffix in ARCH_REQUEST and arch and suffix != arch:
+        findings.error("account-mismatch",
+                       f"--account={job.account} spends {suffix.upper()} hours but the job asks for {arch.upper()} "
+                       f"nodes ({'-C ' + job.constraint if job.constraint else '-p ' + job.partition if job.partition else 'no -C: the default gpu_p13'}); "
+                       f"use --account=<project>@{arch}, or {ARCH_REQUEST[suffix]} for the nodes of that account")
+    if node_type(job) == "h100" and job.torch_module:
+        mods = job.modules
+        before = mods[:mods.index(job.torch_module)] if job.torch_module in mods else mods
+        if not any(m.startswith("arch/h100") for m in before):
+            findings.error("arch-h100-missing",
+                           f"-C h100 with 'module load {job.torch_module}' but no 'module load arch/h100' before it: "
+                           "on Jean Zay the H100 nodes need the modules built for them; add 'module load arch/h100' "
+                           "before the pytorch-gpu line")
+
+
+def check_engine(job: Job, t: Training, findings: Findings) -> None:
+    """The script's `module load pytorch-gpu/py3/X` against what its trainer line asks for (TORCH_FEATURES)."""
+    version = torch_version_of(job.torch_module)
+    if not version:
+        return
+    for line in torch_refusals(f"{version[0]}.{version[1]}", t):
+        line = line.replace(f"this is torch {version[0]}.{version[1]}", f"the script loads {job.torch_module}")
+        if t.layout == "replica":
+            findings.error("engine-unavailable", line)
+        else:
+            findings.error("torch-too-old", line)
+
+
+# ---- II.4 Reading a job script as sbatch and srun do -----------------------------------------------------------------
+
+def logical_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, line) with backslash continuations of command lines joined."""
+    logical: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if pending or (not line.lstrip().startswith("#") and line.rstrip().endswith("\\")):
+            if not pending:
+                start = lineno
+            pending += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
+            if not line.rstrip().endswith("\\"):
+                logical.append((start, pending))
+                pending = ""
+            continue
+        logical.append((lineno, line))
+    if pending:
+        logical.append((start, pending))
+    return logical
+
+
+def read_directive(line: str, where: str, job: Job, findings: Findings) -> None:
+    """One '#SBATCH' line: sbatch 22.05 reads what follows the 7 letters, with or without a space
+    ('#SBATCH-N 2' and '#SBATCH<tab>-N 2' both gave 2 nodes on the test cluster), up to a '#' comment."""
+    try:
+        tokens = shlex.split(line[len("#SBATCH"):], comments=True)
+    except ValueError as exc:
+        findings.error("bad-directive", f"{where}: cannot parse '{line.strip()}' ({exc})")
+        return
+    if tokens[:1] in (["hetjob"], ["packjob"]):
+        findings.warn("hetjob", f"{where}: '{line.strip()}' starts a heterogeneous job's next component; the plan "
+                      "covers the options of all components as one job: check each component on its own")
+        return
+    options, _ = parse_options(tokens, where, findings)
+    for name, value in options:
+        apply_option(job, name, value, where, findings)
 
 
 def training_from_argv(argv: list[str], t: Training, where: str, findings: Findings) -> None:
@@ -1839,42 +1607,6 @@ def read_trainer_line(line: str, script: str, where: str, job: Job, training: Tr
     training_from_argv([a for a in argv[cut + 1:] if a.partition("=")[0] != "--layout"], training, where, findings)
 
 
-def logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, line) with backslash continuations of command lines joined."""
-    logical: list[tuple[int, str]] = []
-    pending, start = "", 0
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if pending or (not line.lstrip().startswith("#") and line.rstrip().endswith("\\")):
-            if not pending:
-                start = lineno
-            pending += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
-            if not line.rstrip().endswith("\\"):
-                logical.append((start, pending))
-                pending = ""
-            continue
-        logical.append((lineno, line))
-    if pending:
-        logical.append((start, pending))
-    return logical
-
-
-def read_directive(line: str, where: str, job: Job, findings: Findings) -> None:
-    """One '#SBATCH' line: sbatch 22.05 reads what follows the 7 letters, with or without a space
-    ('#SBATCH-N 2' and '#SBATCH<tab>-N 2' both gave 2 nodes on the test cluster), up to a '#' comment."""
-    try:
-        tokens = shlex.split(line[len("#SBATCH"):], comments=True)
-    except ValueError as exc:
-        findings.error("bad-directive", f"{where}: cannot parse '{line.strip()}' ({exc})")
-        return
-    if tokens[:1] in (["hetjob"], ["packjob"]):
-        findings.warn("hetjob", f"{where}: '{line.strip()}' starts a heterogeneous job's next component; the plan "
-                      "covers the options of all components as one job: check each component on its own")
-        return
-    options, _ = parse_options(tokens, where, findings)
-    for name, value in options:
-        apply_option(job, name, value, where, findings)
-
-
 def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     """Read the job script the way sbatch 22.05 does (measured on the test cluster, tests/test_sbatch_rules.py):
     the header is every line up to the first one that is neither blank nor a comment (an indented '# ...' is a
@@ -1934,7 +1666,311 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     return job, training, findings
 
 
-# ---- inside an allocation ----------------------------------------------------------------------------------------
+# ---- II.5 Checking a job: every task's plan, then the whole ----------------------------------------------------------
+
+def check_job(job: Job, training: Training) -> Report:
+    """Plan every task of a request and check the whole."""
+    findings = Findings()
+    tasks_per_node = job_tasks_per_node(job, findings)
+    gpn = step_gpus_per_node(job, tasks_per_node, findings)
+    job.gpus_per_node = gpn
+    if training.nlayers is None:  # the trainer's own default for what it will run on
+        training.nlayers = (GPU_DEFAULTS if gpn else CPU_DEFAULTS)["nlayers"]
+    check_gpus_fit(job, gpn, tasks_per_node, findings)
+    stage = training.layout == "stage"
+    if stage:
+        training.nb_part = 1  # a task per GPU
+    check_divisible(job, gpn, tasks_per_node, training, findings)
+    plans: list[TaskPlan] = []
+    for node, tasks in enumerate(tasks_per_node):
+        for local in range(tasks):
+            visible = gpu_view(job, local, tasks, gpn, findings) if gpn else []
+            plans.append(plan_task(len(plans), node, local, tasks, visible, gpn, training.nlayers,
+                                   training.nb_part, findings, training.devices))
+    _dedupe(findings)
+    report = Report(job, training, plans, findings)
+    check_node_usage(report)
+    nb_parts = [p.nb_part for p in plans if p.nb_part]
+    if stage:
+        check_training(check_stage(len(plans), tasks_per_node, gpn, training, findings), training, findings)
+    elif nb_parts:
+        check_training(min(nb_parts), training, findings, cpu=not gpn)
+        if gpn:
+            check_bubble(min(nb_parts), training, findings)
+        line = check_memory(job, training, min(nb_parts), len(plans), max(tasks_per_node), findings) if gpn else None
+        report.notes += [line] if line else []
+    check_engine(job, training, findings)
+    check_gpu_cgroups(job, tasks_per_node, gpn, findings)
+    check_cpus(job, min(nb_parts) if nb_parts else 1, tasks_per_node, findings)
+    check_time(job, findings)
+    check_jean_zay(job, findings)
+    note_page_indexing(report)
+    if job.placement == "possible":
+        report.notes.append(f"placement: Slurm decides by free cores; the table shows one placement it may make "
+                            f"({','.join(map(str, tasks_per_node))} task(s) per node)")
+    return report
+
+
+def check_gpus_fit(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
+    """A GPU request at all, one the node can hold, tasks per node that agree, GPUs that divide among them."""
+    ntype = node_type(job)
+    if not gpn:
+        findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) or "
+                       "--gpus-per-node=N")
+    elif ntype and gpn > NODE_TYPES[ntype]["gpus"]:
+        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {NODE_TYPES[ntype]['label']} have "
+                       f"{NODE_TYPES[ntype]['gpus']}; use --gres=gpu:{NODE_TYPES[ntype]['gpus']} or another "
+                       f"partition (-p gpu_p2 / -C a100 for 8 GPUs)")
+    reported = any(f.level == "error" and f.code in ("ntasks-mismatch", "ntasks-per-node-missing") for f in findings)
+    if len(set(tasks_per_node)) > 1 and job.placement == "exact" and not reported:
+        nbs = {n: (gpn or 0) // n for n in tasks_per_node}
+        findings.error("uneven-tasks-per-node",
+                       f"tasks per node differ ({','.join(map(str, tasks_per_node))}): nodes get nb_part "
+                       f"{_choices(nbs.values())}, so replicas differ in layout and speed (the page's code even "
+                       f"lacks SLURM_NTASKS_PER_NODE); use --nodes={len(tasks_per_node)} with the same "
+                       f"--ntasks-per-node on every node")
+
+
+def check_divisible(job: Job, gpn: int | None, tasks_per_node: list[int], training: Training,
+                    findings: Findings) -> None:
+    bound = bool(job.gpus_per_task) or re.sub(r"^verbose,", "", (job.gpu_bind or "none").lower()) != "none"
+    if not gpn or bound or training.nb_part:
+        return
+    for tasks in sorted(set(tasks_per_node)):
+        if tasks <= gpn and gpn % tasks:
+            nb = gpn // tasks
+            idle = list(range(nb * tasks, gpn))
+            findings.error("gpus-not-divisible",
+                           f"{gpn} GPUs per node are not divisible by {tasks} tasks per node: nb_part = "
+                           f"{gpn} // {tasks} = {nb} and {len(idle)} GPU(s) ({','.join(map(str, idle))}) stay "
+                           f"idle; use --ntasks-per-node in {_choices(divisors(gpn))}")
+            return
+
+
+def check_node_usage(report: Report) -> None:
+    """Two tasks of a node on one GPU, and GPUs nobody uses."""
+    by_node: dict[int, list[TaskPlan]] = {}
+    for p in report.tasks:
+        by_node.setdefault(p.node, []).append(p)
+    gpn = report.job.gpus_per_node
+    for node, plans in sorted(by_node.items()):
+        owners: dict[str, list[int]] = {}
+        for p in plans:
+            for g in dict.fromkeys(p.gpu_ids):  # a task's own parts may share a GPU (--devices 0,0)
+                owners.setdefault(g, []).append(p.rank)
+        shared = {g: r for g, r in owners.items() if len(r) > 1}
+        if shared:
+            g, r = sorted(shared.items())[0]
+            fix = ("give each task its own GPUs, e.g. --gpu-bind=map_gpu:" + ",".join(
+                       str(i * (gpn or 1) // len(plans)) for i in range(len(plans)))
+                   if "map_gpu" in (report.job.gpu_bind or "") else
+                   f"use --nb-part <= {(gpn or 0) // len(plans)} or fewer tasks per node")
+            report.findings.error("gpu-shared",
+                                  f"node {node}: GPU {g} is used by tasks {', '.join(map(str, r))} "
+                                  f"({len(shared)} GPU(s) shared in all); {fix}")
+        if gpn and any(p.gpu_ids for p in plans) and not any(f.code == "gpus-not-divisible"
+                                                             for f in report.findings):
+            idle = [str(i) for i in range(gpn) if str(i) not in owners]
+            if idle:
+                report.findings.warn("gpus-idle",
+                                     f"node {node}: {len(idle)} of {gpn} GPU(s) stay idle ({','.join(idle)}) "
+                                     f"({len(plans)} task(s) x nb_part {plans[0].nb_part}); choose "
+                                     f"--ntasks-per-node in {_choices(divisors(gpn))} without --nb-part")
+                if len(by_node) > 1 and all(len(v) == len(plans) for v in by_node.values()):
+                    break  # same layout everywhere: once is enough
+        if shared and len(by_node) > 1:
+            break
+    _dedupe(report.findings)
+
+
+def check_gpu_cgroups(job: Job, tasks_per_node: list[int], gpn: int | None, findings: Findings) -> None:
+    if job.gpus_per_task and max(tasks_per_node) > 1:
+        findings.warn("gpus-per-task-cgroup",
+                      f"--gpus-per-task={job.gpus_per_task}: each task's GPUs sit in their own device cgroup, so "
+                      f"NCCL in one task no longer sees the node's other {(gpn or 0) - job.gpus_per_task} GPU(s) and "
+                      f"cannot detect NVLink between the {max(tasks_per_node)} tasks of a node (it falls back to "
+                      f"slower paths; NVIDIA/nccl issue 1066); use the page's form: --gres=gpu:{gpn} "
+                      f"--ntasks-per-node={max(tasks_per_node)}")
+
+
+def note_page_indexing(report: Report) -> None:
+    """Per-task GPU binding breaks the page's own indexing; say what it would have done."""
+    for p in report.tasks:
+        if not p.bound or p.tasks_on_node < 2:
+            continue
+        visible = p.visible
+        nb, first, last = page_indexing(p.local_rank, p.tasks_on_node, visible)
+        if nb < 1 or last >= visible or nb != p.nb_part:
+            report.notes.append(
+                f"per-task GPU binding: task {p.rank} sees only {visible} GPU(s); the page's own indexing "
+                f"(nb_part = device_count() // {p.tasks_on_node} = {nb}, first_part = local_rank * nb_part = "
+                f"{first}) would " + ("index past device_count()" if nb < 1 or last >= visible
+                                      else f"use {nb} of its {visible} GPUs")
+                + "; bench_ddp_transformer.py starts at visible GPU 0 and uses them all")
+            return
+
+
+def _dedupe(findings: Findings) -> None:
+    seen, kept = set(), []
+    for f in findings:
+        key = (f.level, f.code)
+        if key in seen and f.code in ("more-tasks-than-gpus", "gpu-index-past-visible"):
+            continue
+        seen.add(key)
+        kept.append(f)
+    findings[:] = kept
+
+
+def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: int,
+                 findings: Findings) -> str | None:
+    """Refuse a split whose estimated peak exceeds the GPU's memory (and bf16 on V100s, which lack it).
+    Returns the estimate's line for the report when it was made."""
+    gib, source = gpu_memory(job)
+    v100 = is_v100(job)
+    if t.precision == "bf16" and v100:
+        findings.error("bf16-on-v100", "--precision bf16 on V100 GPUs: V100s have no bf16; use --precision fp16 "
+                       "(autocast with a GradScaler)")
+    if gib is None or t.layout != "replica" or nb_part < 1 or t.unchecked:
+        return None  # unknown GPU, the stage layout (not modelled), or shell variables on the line
+    model = model_args(t)
+    try:
+        parts = estimate_memory(model, t, nb_part, replicas)
+    except ValueError:
+        return None  # chunks/batch already reported by check_training
+    worst = max(parts, key=lambda m: m.total)
+    line = format_memory(parts, gib) + f" ({source})"
+    shared = shared_gpu_memory(parts, t.devices)
+    if shared:  # --devices 0,0: the parts on one GPU add up (one CUDA context and allocator allowance between them)
+        gpu, on_it, total = shared
+        line += f"; GPU {gpu} holds parts {','.join(map(str, on_it))}: {total / GIB:.2f} GiB in all"
+        if total / GIB > gib:
+            findings.error("does-not-fit", f"--devices {','.join(map(str, t.devices))} puts parts "
+                           f"{','.join(map(str, on_it))} on GPU {gpu}: an estimated {total / GIB:.1f} GiB in all, "
+                           f"but the GPU has {gib:.1f} GiB ({source}); give each part its own GPU, or a smaller "
+                           f"--batch-size or --activation-checkpointing")
+            return line
+    if worst.total / GIB <= gib:
+        if worst.total / GIB > 0.9 * gib:
+            findings.warn("memory-tight", f"part {worst.part} ({worst.contents}) is estimated at "
+                          f"{worst.total / GIB:.1f} GiB of the {gib:.1f} GiB per GPU ({source}): little headroom")
+        return line
+    terms = " + ".join(f"{k} {v:.2f}" for k, v in worst.breakdown().items() if v >= 0.005)
+    fixes = memory_fixes(model, t, nb_part, replicas, tpn, gib, v100)
+    findings.error("does-not-fit",
+                   f"part {worst.part} ({worst.contents}) needs an estimated {worst.total / GIB:.1f} GiB per GPU but "
+                   f"the GPU has {gib:.1f} GiB ({source}); GiB: {terms}; activations are {worst.alive} micro-batch(es) "
+                   f"of {worst.per_micro_batch / GIB:.2f} GiB, all alive: with checkpoint=\"never\" GPipe keeps every "
+                   f"micro-batch until its backward, so more --chunks do not help. Fixes, each estimated: "
+                   + "; ".join(fixes))
+    return line
+
+
+def advise(nodes: int, gpn: int, gib: float, model: dict, global_batch: int, v100: bool,
+           max_chunks: int = 32) -> list[dict]:
+    """Every split of `nodes` x `gpn` GPUs that fits in `gib` per GPU at this global batch, sorted by fewest GPUs
+    per replica, then by bubble."""
+    rows = []
+    low = "fp16" if v100 else "bf16"
+    for tpn in divisors(gpn):
+        nb_part, replicas = gpn // tpn, nodes * tpn
+        if global_batch % replicas or model["nlayers"] < nb_part:
+            continue
+        batch = global_batch // replicas
+        for chunks in ([1] if nb_part == 1 else [c for c in divisors(batch) if c <= max_chunks]):
+            m = dict(model, batch_size=batch, chunks=chunks)
+            for precision in ("fp32", low):
+                for ckpt in (False, True):
+                    for zero in ((False, True) if replicas > 1 else (False,)):
+                        t = Training(precision=precision, activation_checkpointing=ckpt, zero=zero)
+                        peak = _estimate(m, t, nb_part, replicas).total / GIB
+                        if peak <= gib:
+                            rows.append(dict(ntasks_per_node=tpn, nb_part=nb_part, replicas=replicas,
+                                             batch_size=batch, chunks=chunks, precision=precision,
+                                             activation_checkpointing=ckpt, zero=zero, peak_gib=round(peak, 2),
+                                             bubble=round(bubble(nb_part, chunks), 3)))
+    return sorted(rows, key=lambda r: (r["nb_part"], r["bubble"], r["peak_gib"]))
+
+
+def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str, global_batch: int) -> str:
+    lines = [f"check_topology --advise: {nodes} node(s) x {gpn} GPU(s) of {gib:.1f} GiB ({source}), global batch "
+             f"{global_batch}: {len(rows)} split(s) fit, fewest GPUs per replica first, then by GPipe bubble",
+             f"  {'tasks/node':>10} {'nb_part':>7} {'replicas':>8} {'batch':>5} {'chunks':>6} {'precision':9} "
+             f"{'ckpt':4} {'zero':4} {'peak GiB':>8} {'bubble':>6}"]
+    for r in rows:
+        lines.append(f"  {r['ntasks_per_node']:>10} {r['nb_part']:>7} {r['replicas']:>8} {r['batch_size']:>5} "
+                     f"{r['chunks']:>6} {r['precision']:9} {'yes' if r['activation_checkpointing'] else 'no':4} "
+                     f"{'yes' if r['zero'] else 'no':4} {r['peak_gib']:>8.2f} {r['bubble']:>6.1%}")
+    if not rows:
+        lines.append("  nothing fits: use more GPUs, a smaller model (--nlayers, --d-model, --seq-len) or a smaller "
+                     "global batch")
+    return "\n".join(lines)
+
+
+# ---- II.6 The report -------------------------------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    job: Job
+    training: Training
+    tasks: list[TaskPlan]
+    findings: Findings
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings.errors
+
+    def as_dict(self) -> dict:
+        return {
+            "ok": self.ok, "job": asdict(self.job), "training": asdict(self.training),
+            "tasks": [dict(asdict(t), first_part=t.first_part, last_part=t.last_part, contents=t.contents)
+                      for t in self.tasks],
+            "findings": [asdict(f) for f in self.findings], "notes": self.notes,
+        }
+
+    def text(self) -> str:
+        j, t = self.job, self.training
+        lines = [f"check_topology: {j.source}"]
+        if self.tasks:
+            tpn = sorted({p.tasks_on_node for p in self.tasks})
+            nbp = sorted({p.nb_part for p in self.tasks})
+            nodes = len({p.node for p in self.tasks})
+            gpn = j.gpus_per_node if j.gpus_per_node is not None else "?"
+            what = (f"{len(self.tasks)} task(s) = {len(self.tasks) // max(t.pp, 1)} pipeline(s) x pp {t.pp} "
+                    f"(stage layout, schedule {t.schedule})" if t.layout == "stage" else
+                    f"{len(self.tasks)} task(s) = model replicas, nb_part {_choices(nbp)}")
+            lines.append(f"  {nodes} node(s) x {gpn} GPU(s), tasks per node {_choices(tpn)} -> {what}, "
+                         f"{t.nlayers} layers")
+            lines.append(f"  {'task':>4} {'node':>4} {'local':>5}  {'GPUs (node ids)':16} {'.to() indices':14} "
+                         "parts")
+            shown = 0
+            for p in self.tasks:
+                if shown >= 16 and len(self.tasks) > 20:
+                    lines.append(f"  ... {len(self.tasks) - shown} more task(s); --json lists them all")
+                    break
+                gpus = ",".join(p.gpu_ids) if p.gpu_ids else ("cpu" if p.cpu else "-")
+                idx = ",".join(map(str, p.devices)) if p.devices else "-"
+                if t.layout == "stage" and t.pp >= 2:  # a GPU per task, holding its stage(s) of a pipeline
+                    v = stages_per_rank(t.schedule, t.virtual_stages)
+                    contents = part_contents(t.nlayers or 0, t.pp * v)
+                    ids = [p.rank % t.pp + k * t.pp for k in range(v)]
+                    parts = f"{p.device(0) if p.cpu or p.devices else '?'}: " + " | ".join(
+                        f"stage {s}: {contents[s]}" for s in ids) + f"  (pipeline {p.rank // t.pp})"
+                else:
+                    parts = " | ".join(f"{(p.device(i) if p.cpu or i < len(p.devices) else '?')}: {c}"
+                                       for i, c in enumerate(p.contents)) if p.nb_part else "-"
+                lines.append(f"  {p.rank:>4} {p.node:>4} {p.local_rank:>5}  {gpus:16} {idx:14} {parts}")
+                shown += 1
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.findings:
+            lines += [f"  {f}" for f in self.findings]
+        e, w = len(self.findings.errors), len(self.findings) - len(self.findings.errors)
+        lines.append(f"  => {'OK' if self.ok else 'NOT OK'}: {e} error(s), {w} warning(s)")
+        return "\n".join(lines)
+
+
+# ---- II.7 Inside an allocation: srun python check_topology.py --------------------------------------------------------
+
 def job_from_allocation(env: dict[str, str]) -> Job:
     """The allocation a batch script runs in (SLURM_JOB_NUM_NODES, SLURM_TASKS_PER_NODE, SLURM_JOB_GPUS, ...)."""
     def num(name: str) -> int | None:
@@ -1958,6 +1994,18 @@ def job_from_allocation(env: dict[str, str]) -> Job:
         time="allocated",
         source=f"allocation of job {env.get('SLURM_JOB_ID', '?')} ({env.get('SLURM_JOB_NODELIST', '?')})")
     return job
+
+
+def gpus_memory_here() -> float | None:
+    """The smallest GPU memory nvidia-smi shows in this allocation, in GiB (None without nvidia-smi)."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        mib = [float(x) for x in out.split()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(mib) / 1024 if mib else None
 
 
 def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
@@ -2082,7 +2130,8 @@ def check_in_step(launch: idr_torch.Launch, training: Training,
     return report, code
 
 
-# ---- command line -------------------------------------------------------------------------------------------------
+# ---- II.8 Command line -----------------------------------------------------------------------------------------------
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="check_topology.py", description=__doc__.split("\n\n")[0],
@@ -2146,7 +2195,6 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
     print(json.dumps(rows, indent=1) if args.json else
           advise_text(rows, job.nodes, gpn, gib, source, args.global_batch))
     return 0 if rows else 1
-
 
 PLANNING = ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_task", "gpu_bind", "cpus_per_task",
             "partition", "constraint")
