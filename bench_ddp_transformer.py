@@ -42,6 +42,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
+if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
+    import check_topology
+    sys.exit(check_topology.check_args_main("replica", sys.argv[1:]))
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -375,6 +379,8 @@ def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 def main(argv: list[str] | None = None) -> int:
     """Arguments and check_topology's verdict before anything is started, then the page's steps (run())."""
     cfg = parse_args(argv)
+    if cfg.check_args:
+        return check_topology.check_args_main("replica", sys.argv[1:] if argv is None else argv)
     cuda = torch.cuda.is_available()
     resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)  # nb_part, first_part, last_part of this task, or one clear error
@@ -417,13 +423,13 @@ def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable
 # ================================================================================================================
 # The page's closing advice as options: mixed precision (--precision), gradient checkpointing
 # (--activation-checkpointing) and ZeRO (--zero). Small pieces, so the memory benchmarks can use them as they are.
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # check_topology.PRECISIONS' names
+AUTOCAST_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # each --precision's autocast dtype
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """--precision's autocast for code on `device_type` ('cuda' or 'cpu'); fp32: none. Autocast computes in low
     precision from the fp32 weights, which stay fp32: checkpoints hold fp32 and load into any precision."""
-    dtype = PRECISIONS[precision]
+    dtype = AUTOCAST_DTYPE[precision]
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
@@ -489,12 +495,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup |
 
 
 def training_of(cfg: argparse.Namespace, **layout: object) -> check_topology.Training:
-    """This run's arguments as check_topology sees them on a trainer line (its checks and its memory model)."""
-    model = {k: getattr(cfg, k) for k in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout")}
-    return check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
-                                   engine=getattr(cfg, "engine", "auto"), nb_part=getattr(cfg, "nb_part", None),
-                                   precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
-                                   zero=cfg.zero, model=model, **layout)
+    """This run's arguments as check_topology sees them on a trainer line (its checks and its memory model);
+    `layout`: the stage layout's fields (layout="stage", ...) where they differ from cfg's."""
+    t = check_topology.training_from_args(cfg, str(layout.get("layout", "replica")))
+    return dataclasses.replace(t, **layout)
 
 
 def memory_estimate(cfg: argparse.Namespace, plan: check_topology.TaskPlan, nb_part: int, replicas: int,
@@ -528,55 +532,10 @@ def options_text(cfg: argparse.Namespace, replicas: int) -> str:
 # (shared with bench_stage.py), the replica fingerprint, the JSON record.
 
 
-def base_parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments both trainers take. None means "the GPU or CPU default": check_topology.GPU_DEFAULTS /
-    CPU_DEFAULTS, the one table of them, which the help shows."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    gpu, cpu = check_topology.GPU_DEFAULTS, check_topology.CPU_DEFAULTS
-    for name, kind, text in [("--nlayers", int, "Layer blocks"), ("--d-model", int, "width"),
-                             ("--n-head", int, "attention heads"), ("--d-hid", int, "feed-forward width"),
-                             ("--dropout", float, "dropout (on the CPU its masks cost as much as the matmuls)"),
-                             ("--seq-len", int, "tokens per review"),
-                             ("--vocab-size", int, "vocabulary incl. <pad>,<unk>"),
-                             ("--chunks", int, "micro-batches per batch: 1 = naive model parallel"),
-                             ("--batch-size", int, "samples per step per replica")]:
-        key = name[2:].replace("-", "_")
-        a(name, type=kind, help=f"{text} (default: GPU {gpu[key]}, CPU {cpu[key]})")
-    a("--precision", choices=check_topology.PRECISIONS, default="fp32",
-      help="autocast: bf16 (A100, H100, CPU), or fp16 with a GradScaler (V100 has no bf16); weights stay fp32")
-    a("--activation-checkpointing", action="store_true",
-      help="each Layer keeps only its input and recomputes the rest in backward (torch.utils.checkpoint)")
-    a("--zero", action="store_true", help="ZeroRedundancyOptimizer: AdamW's state sharded over the replicas")
-    a("--epochs", type=int, default=3)
-    a("--max-steps", type=int, default=0, help="stop after this many steps in all (0: no limit)")
-    a("--warmup-steps", type=int, default=3, help="steps left out of the timing (allocator, autotuning)")
-    a("--lr", type=float, default=1e-3)
-    a("--seed", type=int, default=1234)
-    a("--data-dir", help="aclImdb/ or aclImdb_v1.tar.gz, or a folder holding one (default $DSDIR/IMDB)")
-    a("--cache-dir", help="where the tokenised corpus is cached (default $SCRATCH, else the data's folder "
-      "if writable, else ./.cache)")
-    a("--synthetic", type=int, default=0, help="N synthetic reviews instead of IMDB (default when no data: 4000)")
-    a("--workers", type=int, default=-1, help="DataLoader workers (-1: from cpus_per_task on GPU, 0 on CPU)")
-    a("--timeout", type=float, default=600, help="seconds before a collective with a dead rank gives up")
-    a("--log-every", type=float, default=30, help="seconds between progress lines within an epoch")
-    a("--json-out", help="append one JSON line with the configuration and results (rank 0)")
-    a("--save", help="write the checkpoint here after each epoch (rank 0, atomically)")
-    a("--load", help="start from this checkpoint (every rank loads it)")
-    a("--resume", action="store_true", help="start from the --save file if it exists (a requeued job continues)")
-    return p
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = base_parser(__doc__)
-    p.add_argument("--nb-part", type=int, help="GPUs per replica (default: the page's GPUs per node // tasks "
-                   f"per node; CPU {check_topology.CPU_NB_PART})")
-    p.add_argument("--engine", choices=check_topology.ENGINES, default="auto",
-                   help="auto: torch-pipe on torch <= 2.3, else fairscale")
-    p.add_argument("--devices", help="visible GPU index of each part instead of the page's indexing; 0,0 puts both "
-                   "parts on one GPU (benchmarks/gpu_check.py on a one-GPU node)")
-    return p.parse_args(argv)
+    """The arguments, from check_topology's one definition of them (check_topology.ARGS: names, types, ranges, GPU and
+    CPU defaults); a line it refuses raises check_topology.ArgumentError, one line that cli() prints (exit 2)."""
+    return check_topology.parse_trainer_args("replica", argv, __doc__)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -825,19 +784,9 @@ def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, replicas: int, ran
 
 # ----------------------------------------------------------------------------------------------------------------
 # setup: the defaults, this task's plan and check_topology's verdict, before any process group exists
-POSITIVE = ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "chunks", "batch_size", "nb_part",
-            "epochs", "pp", "virtual_stages")
-
-
 def resolve(cfg: argparse.Namespace, cuda: bool) -> None:
-    """Fill the GPU or CPU defaults; refuse counts below 1 before anything is built."""
-    given = {k: getattr(cfg, k) for k in check_topology.GPU_DEFAULTS}
-    vars(cfg).update(check_topology.model_args(check_topology.Training(), not cuda, **given))
-    bad = check_topology.below_one({k: getattr(cfg, k, None) for k in POSITIVE})
-    if bad:
-        raise RunError(bad)
-    if not 0 <= cfg.dropout < 1:
-        raise RunError(f"--dropout {cfg.dropout} must be in [0, 1)")
+    """Fill the model's GPU or CPU defaults where the line gives none (each value was checked when parsed)."""
+    check_topology.resolve_defaults(cfg, cuda)
 
 
 def task_plan(cuda: bool, nlayers: int, nb_part: int | None, findings: check_topology.Findings,
@@ -855,34 +804,22 @@ def task_plan(cuda: bool, nlayers: int, nb_part: int | None, findings: check_top
     return plan
 
 
-def verdict(cfg: argparse.Namespace, findings: check_topology.Findings) -> None:
-    """Warnings printed once, errors raised with the same message the pre-flight check gives; then what only
-    the model can refuse."""
+def verdict(findings: check_topology.Findings) -> None:
+    """Warnings printed once, errors raised as one line: the words of the pre-flight check and of --check-args."""
     for f in findings:
-        if f.level == "warning":
+        if f.level != "error":
             log(f"check_topology: {f}")
-    errors = findings.errors
-    if errors:
-        raise RunError("; ".join(f"{f.code}: {f.message}" for f in errors))
-    if cfg.d_model % cfg.n_head:
-        raise RunError(f"--d-model ({cfg.d_model}) must be a multiple of --n-head ({cfg.n_head}); "
-                       f"try --n-head {max(d for d in check_topology.divisors(cfg.d_model) if d <= cfg.n_head)}")
-    if cfg.d_model % 2:
-        raise RunError(f"--d-model ({cfg.d_model}) must be even (sinusoidal positions)")
-    if cfg.vocab_size <= len(SPECIALS):
-        raise RunError(f"--vocab-size ({cfg.vocab_size}) must be larger than {len(SPECIALS)}")
+    if findings.errors:
+        raise RunError(check_topology.refusal_text(findings.errors))
 
 
 def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
-    """The replica layout's plan and verdict: errors stop us here, before init_process_group."""
+    """The replica layout's plan and verdict: errors stop us here, before init_process_group. The checks are
+    check_topology's (check_trainer_task), which --check-args and the pre-flight check run too."""
     findings = check_topology.Findings()
-    devices = None if cfg.devices is None else check_topology.parse_devices(cfg.devices, "this task", findings)
-    plan = task_plan(cuda, cfg.nlayers, cfg.nb_part, findings, devices)
-    training = training_of(cfg)
-    check_topology.check_training(plan.nb_part, training, findings, cpu=not cuda)
-    for line in check_topology.torch_refusals(torch.__version__, training, cpu=not cuda):  # what this release lacks
-        findings.error("torch-release", line)
-    verdict(cfg, findings)
+    plan = task_plan(cuda, cfg.nlayers, cfg.nb_part, findings, cfg.devices)
+    check_topology.check_trainer_task("replica", cfg, plan, idr_torch.current(), cuda, torch.__version__, findings)
+    verdict(findings)
     check_precision(cfg, plan)
     return plan
 
@@ -925,8 +862,7 @@ def resume_file(path: str | Path) -> Path:
 def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
     """What a checkpoint must match: the model and how many parts it is cut in (whatever the layout:
     nb_part 2 here and bench_stage.py --pp 2 hold the same parts under the same keys)."""
-    return {"nb_part": nb_part, "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head,
-            "d_hid": cfg.d_hid, "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
+    return {"nb_part": nb_part, **{a.dest: getattr(cfg, a.dest) for a in check_topology.ARGS if a.checkpoint},
             "part_sizes": check_topology.part_sizes(cfg.nlayers, nb_part)}
 
 
@@ -1263,8 +1199,7 @@ def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, 
                   "nodes": launch.num_nodes, "tasks": launch.size, "tasks_per_node": launch.local_world_size,
                   "world_size": launch.size, "replicas": trainer.dp_size, "chunks": cfg.chunks,
                   "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * trainer.dp_size,
-                  **{k: getattr(cfg, k) for k in ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size",
-                                                  "precision", "activation_checkpointing", "zero")},
+                  **{a.dest: getattr(cfg, a.dest) for a in check_topology.ARGS if a.group in ("model", "memory")},
                   "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
                   "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
                   "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"], "host_rss_gb": history[-1]["host_rss_gb"],
@@ -1291,6 +1226,10 @@ def cli(main: Callable[[], int], prog: str) -> None:
     """Run a trainer's main(); a user error is one line (every rank reaches the same verdict: say it once)."""
     try:
         sys.exit(main())
+    except check_topology.ArgumentError as exc:  # the line itself: argparse's usage-error status
+        if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", ""):
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except (RunError, idr_torch.LaunchError) as exc:
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
         if rank == 0 or isinstance(exc, (idr_torch.LaunchError, LostContact)):

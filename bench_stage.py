@@ -21,6 +21,10 @@ import sys
 import threading
 import time
 
+if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
+    import check_topology
+    sys.exit(check_topology.check_args_main("stage", sys.argv[1:]))
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,32 +37,24 @@ from bench_ddp_transformer import RunError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bench.base_parser(__doc__)
-    p.add_argument("--pp", type=int, default=2, help="tasks per pipeline (pipelines = world size / pp)")
-    p.add_argument("--schedule", choices=tuple(check_topology.SCHEDULES), default="1f1b")
-    p.add_argument("--virtual-stages", type=int, default=2,
-                   help=f"stages per task for {' and '.join(check_topology.MULTI_STAGE)}")
-    return p.parse_args(argv)
+    """The arguments, from check_topology's one definition of them (the stage layout's: --pp, --schedule,
+    --virtual-stages instead of --nb-part, --engine, --devices)."""
+    return check_topology.parse_trainer_args("stage", argv, __doc__)
 
 
 def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
     """A GPU per task; check_topology's verdict on the pipelines and the batch, before any process group."""
     findings = check_topology.Findings()
     plan = bench.task_plan(cuda, cfg.nlayers, 1, findings)
-    training = bench.training_of(cfg, layout="stage", pp=cfg.pp, schedule=cfg.schedule,
-                                 virtual_stages=cfg.virtual_stages)
-    launch = idr_torch.current()
-    parts = check_topology.check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, training,
-                                       findings, cpu=not cuda)
-    check_topology.check_training(parts, training, findings, cpu=not cuda)
-    for line in check_topology.torch_refusals(torch.__version__, training, cpu=not cuda):  # what this release lacks
-        findings.error("torch-release", line)
-    bench.verdict(cfg, findings)
+    check_topology.check_trainer_task("stage", cfg, plan, idr_torch.current(), cuda, torch.__version__, findings)
+    bench.verdict(findings)
     return plan
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.check_args:
+        return check_topology.check_args_main("stage", sys.argv[1:] if argv is None else argv)
     cuda = torch.cuda.is_available()
     bench.resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)

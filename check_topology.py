@@ -17,9 +17,10 @@ bench_ddp_transformer.py builds its model from plan_task() below, so what this a
 No torch import here: checking a file must stay well under a second on a login node.
 
 One file, in two parts, because users copy it next to the trainers and both trainers import it:
-  Part I   the plan the trainers import (their `__all__`): I.1 arguments and defaults, I.2 the layer split,
-           I.3 this task's GPUs, I.4 memory, I.5 what each torch release can run, I.6 the trainers' checks of
-           their arguments. The trainers call these very functions, so their refusals are the checker's findings.
+  Part I   the plan the trainers import (their `__all__`): I.1 the trainers' arguments, defined once (their
+           argparse, ranges, GPU and CPU defaults), I.2 the layer split, I.3 this task's GPUs, I.4 memory, I.5 what
+           each torch release can run, I.6 the trainers' checks of their arguments, and their --check-args. The
+           trainers call these very functions, so their refusals are the checker's findings.
   Part II  the pre-flight checker: II.1 what it catches, II.2 Slurm 22.05 (option tables and placement: a port
            to a newer Slurm touches this block), II.3 Jean Zay, II.4 reading a job script, II.5 checking a job,
            II.6 the report, II.7 inside an allocation, II.8 the command line.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import re
 import shlex
@@ -36,18 +38,20 @@ import socket
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, NoReturn, Sequence
 
 import idr_torch
 
 # What the trainers (bench_ddp_transformer.py, bench_stage.py) and the benchmarks take from here: Part I.
-__all__ = ["GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", "ENGINES", "PRECISIONS", "SCHEDULES", "MULTI_STAGE",
-           "TRAINERS", "Training", "model_args", "below_one", "Finding", "Findings", "part_sizes", "split_layers",
-           "part_contents", "TaskPlan", "plan_task", "parse_devices", "GIB", "PartMemory", "estimate_memory",
-           "memory_line", "TORCH_FEATURES", "torch_refusals", "divisors", "check_training", "stages_per_rank",
-           "check_stage", "bubble"]
+__all__ = ["Arg", "ARGS", "ARG", "GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", "ENGINES", "PRECISIONS", "SCHEDULES",
+           "MULTI_STAGE", "TRAINERS", "SCRIPTS", "MAX_GPUS_PER_NODE", "gpu_indices", "Training", "model_args",
+           "Finding", "Findings", "refusal_text", "ArgumentError", "trainer_parser", "TrainerLine", "read_trainer_argv",
+           "parse_trainer_args", "resolve_defaults", "training_from_args", "part_sizes", "split_layers",
+           "part_contents", "TaskPlan", "plan_task", "GIB", "PartMemory", "estimate_memory", "memory_line",
+           "TORCH_FEATURES", "torch_refusals", "divisors", "check_arguments", "check_training", "stages_per_rank",
+           "check_stage", "bubble", "check_trainer_task", "check_args_main"]
 
 
 # ======================================================================================================================
@@ -55,20 +59,18 @@ __all__ = ["GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", "ENGINES", "PRECISIONS
 # ======================================================================================================================
 
 
-# ---- I.1 Arguments and defaults --------------------------------------------------------------------------------------
+# ---- I.1 The trainers' arguments, defined once -----------------------------------------------------------------------
 
-# The trainer's defaults live here so the checker (which must not import torch) judges exactly what runs.
-# GPU: big enough that the page's reason for model parallelism (activations of a deep model) holds.
-GPU_DEFAULTS = dict(nlayers=16, d_model=1024, n_head=16, d_hid=4096, seq_len=256, vocab_size=30000,
-                    chunks=4, batch_size=64, dropout=0.1)
-
-# CPU (CI, laptops): small enough for a 2-core machine to learn the synthetic task in well under a minute.
-# No dropout there: on the CPU its random masks cost as much as the matmuls of so small a model.
-CPU_DEFAULTS = dict(nlayers=4, d_model=64, n_head=4, d_hid=128, seq_len=64, vocab_size=2000,
-                    chunks=2, batch_size=32, dropout=0.0)
+# Every argument of the two trainers is defined once, in ARGS: its name, type, GPU and CPU defaults, choices, range,
+# help, and the layouts that have it. bench_ddp_transformer.py and bench_stage.py build their argparse from it
+# (trainer_parser); the checker reads a job script's trainer line with that same parser (read_trainer_argv) and takes
+# the same names on its own command line. So the checker refuses a line exactly when the trainer would, in its words,
+# and never judges a default where the line means something else. docs/arguments.md lists them with their ranges.
 
 CPU_NB_PART = 2  # no GPU: still split in two so the pipeline is exercised
 ENGINES = ("auto", "torch-pipe", "fairscale")
+# --precision's names: fp32 (no autocast), bf16 or fp16 autocast; the trainer maps each name to its torch dtype
+# (bench_ddp_transformer.AUTOCAST_DTYPE)
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 # The stage layout (bench_stage.py): torch.distributed.pipelining's schedules, by --schedule name (the one list of
@@ -80,29 +82,215 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b"
 
 MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
 TRAINERS = {"bench_ddp_transformer.py": "replica", "bench_stage.py": "stage"}  # the script sets the layout
+SCRIPTS = {layout: script for script, layout in TRAINERS.items()}
 
-# arguments each trainer's argparse refuses (the other layout's): the checker must not approve a line that can't start
-NOT_ARGS = {"replica": ("--layout", "--pp", "--schedule", "--virtual-stages"),
-            "stage": ("--layout", "--nb-part", "--engine", "--devices")}
+# What a site can have. Every count is bounded, so that a typo (--nlayers 999999999) is refused at once, in one line,
+# instead of a checker that plans a billion layers or a job that fails after its wait in the queue.
+MAX_GPUS_PER_NODE = 16  # the largest GPU nodes (DGX-2, HGX-2); Jean Zay's have 4 or 8
+
+
+def gpu_indices(text: str) -> list[int]:
+    """--devices 0,0: a visible GPU index per part (0,0 puts two parts on one GPU, for a one-GPU check)."""
+    devices = [int(x) for x in text.split(",")]
+    if len(devices) > MAX_GPUS_PER_NODE or not all(0 <= d < MAX_GPUS_PER_NODE for d in devices):
+        raise ValueError(text)
+    return devices
+
+
+def _show(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One trainer argument. `kind` converts its text (None: a switch); `gpu` and `cpu` are its defaults with a GPU
+    and without one (cpu=...: the same); lo..hi its range (lo_open, hi_open: that bound excluded); `why` says, in a
+    refusal, what the range or a special value means."""
+    flag: str
+    kind: Callable[[str], object] | None
+    gpu: object = None
+    cpu: object = ...
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple = ()
+    layouts: tuple[str, ...] = ("replica", "stage")
+    group: str = "run"  # model (a GPU and a CPU default), memory, pipeline, run, files, mode
+    help: str = ""
+    why: str = ""
+    code: str = "bad-argument"  # the finding of a value the trainer refuses
+    checkpoint: bool = False  # a checkpoint must match it (bench_ddp_transformer.layout_of)
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def cpu_default(self) -> object:
+        return self.gpu if self.cpu is ... else self.cpu
+
+    @property
+    def checked(self) -> bool:
+        """The checker's plan, memory model or checks use it: the checker's command line takes it too."""
+        return self.group in ("model", "memory", "pipeline")
+
+    def example(self) -> str:
+        if self.gpu is not None or self.lo is not None:
+            return _show(self.gpu if self.gpu is not None else self.lo)
+        return "0,0" if self.kind is gpu_indices else "PATH"
+
+    def range_text(self) -> str:
+        if self.kind is gpu_indices:
+            return f"GPU indices separated by commas, one per part, each from 0 to {MAX_GPUS_PER_NODE - 1}"
+        what, lo, hi = "an integer" if self.kind is int else "a number", _show(self.lo), _show(self.hi)
+        if not (self.lo_open or self.hi_open):
+            return f"{what} from {lo} to {hi}"
+        return (f"{what} {'above' if self.lo_open else 'at least'} {lo} and "
+                f"{'below' if self.hi_open else 'at most'} {hi}")
+
+    def refusal(self, raw: str) -> str:
+        """The one line for a value this argument refuses: the value as written, what it must be, an example."""
+        if self.choices:
+            return f"{self.flag} {raw!r} is not one of {', '.join(self.choices)}; e.g. {self.flag} {self.example()}"
+        try:
+            float(raw)
+            shown = raw
+        except ValueError:
+            shown = repr(raw)
+        why = f" ({self.why})" if self.why else ""
+        return f"{self.flag} {shown} must be {self.range_text()}{why}; e.g. {self.flag} {self.example()}"
+
+    def convert(self, raw: str | bool) -> tuple[object, str | None]:
+        """(value, None), or (None, the refusal)."""
+        if self.kind is None:
+            return bool(raw), None
+        try:
+            value = self.kind(raw)
+        except ValueError:
+            return None, self.refusal(raw)
+        if self.choices:
+            return (value, None) if value in self.choices else (None, self.refusal(raw))
+        if isinstance(value, float) and not math.isfinite(value):
+            return None, self.refusal(raw)
+        if self.lo is not None and (value < self.lo or self.lo_open and value == self.lo):
+            return None, self.refusal(raw)
+        if self.hi is not None and (value > self.hi or self.hi_open and value == self.hi):
+            return None, self.refusal(raw)
+        return value, None
+
+    def help_text(self) -> str:
+        bits = []
+        if self.group == "model":
+            bits.append(f"default: GPU {_show(self.gpu)}, CPU {_show(self.cpu_default)}")
+        elif self.kind is not None and self.gpu is not None:
+            bits.append(f"default {_show(self.gpu)}")
+        if self.lo is not None:
+            bits.append(self.range_text().split(" ", 2)[2])
+        return (self.help + (f" ({'; '.join(bits)})" if bits else "")).replace("%", "%%")
+
+
+ARGS = (
+    # The model and the batch. GPU: big enough that the page's reason for model parallelism (activations of a deep
+    # model) holds. CPU (CI, laptops): small enough for a 2-core machine to learn the synthetic task in well under a
+    # minute; no dropout there, its random masks cost as much as the matmuls of so small a model.
+    Arg("--nlayers", int, 16, 4, 1, 1024, group="model", checkpoint=True, help="Layer blocks"),
+    Arg("--d-model", int, 1024, 64, 2, 65536, group="model", checkpoint=True,
+        help="width (even, a multiple of --n-head)"),
+    Arg("--n-head", int, 16, 4, 1, 1024, group="model", checkpoint=True, help="attention heads"),
+    Arg("--d-hid", int, 4096, 128, 1, 262144, group="model", checkpoint=True, help="feed-forward width"),
+    Arg("--dropout", float, 0.1, 0.0, 0, 1, hi_open=True, group="model", why="a probability",
+        help="dropout (on the CPU its masks cost as much as the matmuls)"),
+    Arg("--seq-len", int, 256, 64, 1, 131072, group="model", checkpoint=True, help="tokens per review"),
+    Arg("--vocab-size", int, 30000, 2000, 3, 10_000_000, group="model", checkpoint=True,
+        why="<pad>, <unk> and at least one word", help="vocabulary incl. <pad>,<unk>"),
+    Arg("--chunks", int, 4, 2, 1, 4096, group="model", help="micro-batches per batch: 1 = naive model parallel"),
+    Arg("--batch-size", int, 64, 32, 1, 65536, group="model", help="samples per step per replica"),
+    # the page's closing advice: what a GPU holds
+    Arg("--precision", str, "fp32", choices=PRECISIONS, group="memory",
+        help="autocast: bf16 (A100, H100, CPU), or fp16 with a GradScaler (V100 has no bf16); weights stay fp32"),
+    Arg("--activation-checkpointing", None, False, group="memory",
+        help="each Layer keeps only its input and recomputes the rest in backward (torch.utils.checkpoint)"),
+    Arg("--zero", None, False, group="memory", help="ZeroRedundancyOptimizer: AdamW's state sharded over the replicas"),
+    # the replica layout's pipeline (bench_ddp_transformer.py)
+    Arg("--nb-part", int, None, lo=1, hi=MAX_GPUS_PER_NODE, layouts=("replica",), group="pipeline",
+        help=f"GPUs per replica (default: the page's GPUs per node // tasks per node; CPU {CPU_NB_PART})"),
+    Arg("--engine", str, "auto", choices=ENGINES, layouts=("replica",), group="pipeline", code="bad-engine",
+        help="auto: torch-pipe on torch <= 2.3, else fairscale"),
+    Arg("--devices", gpu_indices, None, layouts=("replica",), group="pipeline",
+        help="visible GPU index of each part instead of the page's indexing; 0,0 puts both parts on one GPU "
+             "(benchmarks/gpu_check.py on a one-GPU node)"),
+    # the stage layout's pipeline (bench_stage.py)
+    Arg("--pp", int, 2, lo=2, hi=1024, layouts=("stage",), group="pipeline",
+        why="a pipeline needs at least 2 stages; for pure data parallel use bench_ddp_transformer.py --nb-part 1",
+        help="tasks per pipeline (pipelines = world size / pp)"),
+    Arg("--schedule", str, "1f1b", choices=tuple(SCHEDULES), layouts=("stage",), group="pipeline",
+        code="bad-schedule", help="torch.distributed.pipelining's schedule"),
+    Arg("--virtual-stages", int, 2, lo=1, hi=64, layouts=("stage",), group="pipeline",
+        help=f"stages per task for {' and '.join(MULTI_STAGE)}"),
+    # the run
+    Arg("--epochs", int, 3, lo=1, hi=100_000),
+    Arg("--max-steps", int, 0, lo=0, hi=10**9, why="0: no limit", help="stop after this many steps in all"),
+    Arg("--warmup-steps", int, 3, lo=0, hi=10**6, help="steps left out of the timing (allocator, autotuning)"),
+    Arg("--lr", float, 1e-3, lo=0, hi=10, lo_open=True, help="AdamW's learning rate"),
+    # torch.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed onto a positive one; the trainer seeds
+    # rank r with seed + 1 + r and the sampler with seed + epoch, which this range keeps valid and distinct
+    Arg("--seed", int, 1234, lo=0, hi=2**63 - 1, help="the model's initial weights, the data order, dropout"),
+    Arg("--synthetic", int, 0, lo=0, hi=10_000_000, why="0: IMDB, or 4000 synthetic reviews where there is none",
+        help="N synthetic reviews instead of IMDB"),
+    Arg("--workers", int, -1, lo=-1, hi=64, why="-1: from --cpus-per-task on a GPU, 0 on the CPU",
+        help="DataLoader workers"),
+    Arg("--timeout", float, 600.0, lo=0, hi=7 * 86400, lo_open=True, why="seconds, at most a week",
+        help="seconds before a collective with a dead rank gives up"),
+    Arg("--log-every", float, 30.0, lo=0, hi=86400, help="seconds between progress lines within an epoch"),
+    # files
+    Arg("--data-dir", str, group="files",
+        help="aclImdb/ or aclImdb_v1.tar.gz, or a folder holding one (default $DSDIR/IMDB)"),
+    Arg("--cache-dir", str, group="files", help="where the tokenised corpus is cached (default $SCRATCH, else the "
+        "data's folder if writable, else ./.cache)"),
+    Arg("--json-out", str, group="files", help="append one JSON line with the configuration and results (rank 0)"),
+    Arg("--save", str, group="files", help="write the checkpoint here after each epoch (rank 0, atomically)"),
+    Arg("--load", str, group="files", help="start from this checkpoint (every rank loads it)"),
+    Arg("--resume", None, False, group="files",
+        help="start from the --save file if it exists (a requeued job continues)"),
+    Arg("--check-args", None, False, group="mode",
+        help="check the arguments as the trainer does (this task's plan from the environment, the GPU or CPU "
+             "defaults), print the verdict and exit with the trainer's status, without importing torch"),
+)
+ARG = {a.dest: a for a in ARGS}
+
+# The model and batch the trainer runs where the line gives none (views of ARGS, for the memory model and tests).
+GPU_DEFAULTS = {a.dest: a.gpu for a in ARGS if a.group == "model"}
+CPU_DEFAULTS = {a.dest: a.cpu_default for a in ARGS if a.group == "model"}
 
 
 @dataclass
 class Training:
+    """A trainer's arguments as the plan and the checks use them: None where the line gives none (the GPU or CPU
+    default applies), the line's own values elsewhere."""
     nlayers: int | None = None
     chunks: int | None = None
     batch_size: int | None = None
-    engine: str = "auto"
+    engine: str = ARG["engine"].gpu
     nb_part: int | None = None
     layout: str = "replica"
-    pp: int = 2
-    schedule: str = "1f1b"
-    virtual_stages: int = 2
-    precision: str = "fp32"  # fp32, bf16 or fp16 (autocast)
+    pp: int = ARG["pp"].gpu
+    schedule: str = ARG["schedule"].gpu
+    virtual_stages: int = ARG["virtual_stages"].gpu
+    precision: str = ARG["precision"].gpu  # fp32, bf16 or fp16 (autocast)
     activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
     zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
     model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
     devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
-    unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
+    unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables, as written
+    unknown: list[str] = field(default_factory=list)  # names (nlayers, chunks, ...) whose value is not known here
+
+    def known(self, *names: str) -> bool:
+        """Whether the checks may judge these arguments: no shell variable (or line the trainer refuses) hides them."""
+        return not any(n in self.unknown for n in names)
+
+
+TRAINING_FIELDS = {f.name for f in fields(Training)}
 
 
 def model_args(t: "Training", cpu: bool = False, **given: int | float | None) -> dict:
@@ -115,9 +303,9 @@ def model_args(t: "Training", cpu: bool = False, **given: int | float | None) ->
     return model
 
 
-def below_one(values: dict) -> str | None:
-    """The one rule for counts, in the trainers and the checker: '--name N must be at least 1' for the first
-    count below 1 (None and non-numbers are someone else's business)."""
+def below_one_message(values: dict) -> str | None:
+    """'--name N must be at least 1' for the first count below 1, else None (None and non-numbers are someone
+    else's business): the checker's planning flags (--nodes ...)."""
     for name, v in values.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 1:
             return f"--{name.lstrip('-').replace('_', '-')} {v} must be at least 1"
@@ -144,6 +332,218 @@ class Findings(list):
     @property
     def errors(self) -> list[Finding]:
         return [f for f in self if f.level == "error"]
+
+
+def refusal_text(findings: Iterable[Finding]) -> str:
+    """The trainer's one line for its errors: 'code: message; code: message'."""
+    return "; ".join(f"{f.code}: {f.message}" for f in findings)
+
+
+class ArgumentError(ValueError):
+    """A trainer line that the trainer's argparse refuses: the trainer prints it as its one line and exits 2."""
+
+
+class _TrainerParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse would print its usage and exit: the caller reports it
+        raise ArgumentError(message)
+
+
+# Abbreviations are refused (allow_abbrev=False), with a did-you-mean that names the full option. argparse would take
+# any unambiguous prefix (--batch 256 as --batch-size 256), but a prefix that is unambiguous today becomes ambiguous,
+# or silently means another option, the day an option is added, and a job script is read later by people who should
+# not need argparse's rules to know what it runs. Underscores get the same did-you-mean (--batch_size: --batch-size).
+def trainer_parser(layout: str, doc: str | None = None) -> argparse.ArgumentParser:
+    """The argparse of bench_ddp_transformer.py (layout "replica") or bench_stage.py ("stage"), built from ARGS.
+    Values stay text: read_trainer_argv converts and checks them, so that every refusal is a finding."""
+    p = _TrainerParser(prog=SCRIPTS[layout], description=(doc or "").split("\n\n")[0].strip() or None,
+                       formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False, add_help=False)
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    for a in ARGS:
+        if layout not in a.layouts:
+            continue
+        if a.kind is None:
+            p.add_argument(a.flag, dest=a.dest, action="store_true", help=a.help_text())
+        else:
+            metavar = "{" + ",".join(a.choices) + "}" if a.choices else None
+            p.add_argument(a.flag, dest=a.dest, metavar=metavar, help=a.help_text())
+    return p
+
+
+@dataclass
+class TrainerLine:
+    """A trainer's command line as its argparse reads it."""
+    values: argparse.Namespace  # converted; None where the line gives nothing (the GPU or CPU default applies)
+    findings: Findings  # what the trainer refuses, in its words
+    given: list[str]  # the names (dests) the line gives
+    unknown: list[str] = field(default_factory=list)  # names whose value is a shell variable (all: the line is refused)
+    unchecked: list[str] = field(default_factory=list)  # the shell variables, as written ('--chunks $C', '$ARGS')
+    standalone: list[str] = field(default_factory=list)  # those that may hold any arguments ('$ARGS', '$@')
+    help: bool = False
+
+
+def unknown_option(token: str, flags: Iterable[str], prog: str) -> str:
+    """The refusal of an option argparse does not have, naming the full option it may stand for."""
+    name = token.partition("=")[0]
+    flags = list(flags)
+    dashed = "--" + name.lstrip("-").replace("_", "-") if name.startswith("--") else name
+    head = f"{name} is not an option of {prog}"
+    if dashed != name and dashed in flags:
+        return f"{head}: did you mean {dashed}? (options are written with '-', not '_')"
+    prefixed = [f for f in flags if len(dashed) > 2 and f.startswith(dashed)]
+    if prefixed:
+        return (f"{head}: did you mean {' or '.join(prefixed[:4])}? (abbreviations are refused: one that is "
+                "unambiguous today may mean another option tomorrow; write the option in full)")
+    close = difflib.get_close_matches(dashed, flags, n=3, cutoff=0.7)
+    if close:
+        return f"{head}: did you mean {' or '.join(close)}?"
+    return f"{head}; `python {prog} --help` lists its options"
+
+
+def _argparse_refusal(message: str) -> str:
+    """argparse's own error, said as the other refusals are: the option, what is wrong, the fix."""
+    m = re.match(r"argument ([^:]+): (.*)", message)
+    if not m:
+        return message
+    flag, what = m.group(1).split("/")[-1], m.group(2)
+    arg = ARG.get(flag[2:].replace("-", "_"))
+    if what.startswith("expected one argument") and arg:
+        return (f"{flag} needs a value, e.g. {flag} {arg.example()} (a value that starts with '-' is written "
+                f"{flag}=VALUE)")
+    if what.startswith("ignored explicit argument"):
+        return f"{flag} is a switch and takes no value: write {flag} alone"
+    return f"{flag}: {what}"
+
+
+def _is_variable(token: str) -> bool:
+    """A shell expansion the script's reader could not do, standing where an option or a word goes ('$ARGS',
+    '"$@"', '--$OPT'); '--chunks=$C' is an option whose value is one."""
+    return "$" in (token.partition("=")[0] if token.startswith("-") else token)
+
+
+def _standalone_variables(tokens: list[str], valued: set[str]) -> list[int]:
+    """Where shell variables stand alone in a trainer's argv (not as an option's value, which argparse takes as
+    the next word when it does not start with '-'): each may hold any arguments."""
+    out, i = [], 0
+    while i < len(tokens):
+        if _is_variable(tokens[i]):
+            out.append(i)
+        elif tokens[i] in valued and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
+            i += 1
+        i += 1
+    return out
+
+
+def read_trainer_argv(layout: str, argv: Sequence[str], shell: bool = False) -> TrainerLine:
+    """Read a trainer's argv as its argparse does: the trainers' parse_args and the checker both call this, so the
+    checker's findings on a line are the trainer's own refusals. shell=True (the checker): a token with '$' is a
+    shell expansion the script's reader could not do; as an option's value that option is unknown, alone it may hold
+    any arguments, so every argument it could set is unknown (those given after it are not: they win)."""
+    prog, other = SCRIPTS[layout], SCRIPTS["stage" if layout == "replica" else "replica"]
+    mine = {a.flag: a for a in ARGS if layout in a.layouts}
+    theirs = {a.flag for a in ARGS if layout not in a.layouts} | {"--layout"}
+    findings, tokens, foreign = Findings(), [], []
+    argv = list(argv)
+    i = 0
+    while i < len(argv):  # the other layout's options: one refusal naming all of them
+        name, eq, _ = argv[i].partition("=")
+        if name in theirs:
+            foreign.append(name)
+            takes = name == "--layout" or ARG[name[2:].replace("-", "_")].kind is not None
+            i += 2 if takes and not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-") else 1
+            continue
+        tokens.append(argv[i])
+        i += 1
+    if foreign:
+        names = list(dict.fromkeys(foreign))
+        options = [n for n in names if n != "--layout"]
+        why = (["the script sets the layout"] if "--layout" in names else []) + (
+            [f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} {other}'s"] if options else [])
+        findings.error("bad-layout", f"{prog} has no {', '.join(names)} ({'; '.join(why)}); " + (
+            f"use {other} for the {TRAINERS[other]} layout" if options else "remove it"))
+    valued = {f for f, a in mine.items() if a.kind is not None}
+    standalone = _standalone_variables(tokens, valued) if shell else []
+    parser = trainer_parser(layout)
+    try:
+        ns, extras = parser.parse_known_args(tokens)
+    except ArgumentError as exc:
+        findings.error("bad-argument", _argparse_refusal(str(exc)))
+        ns, extras = parser.parse_known_args([])
+    after_option = False
+    for tok in extras:
+        if shell and _is_variable(tok):
+            after_option = False
+            continue  # a standalone variable (below)
+        if tok.startswith("-") and len(tok) > 1:
+            findings.error("unknown-argument", unknown_option(tok, mine, prog))
+            after_option = "=" not in tok
+        elif not after_option:  # (a word after an unknown option is taken as its value, said with it)
+            findings.error("unknown-argument", f"{tok!r} is not an option of {prog}: its arguments are all "
+                           "--name VALUE or --switch")
+            after_option = False
+        else:
+            after_option = False
+    line = TrainerLine(ns, findings, [], help=bool(ns.help))
+    for a in mine.values():
+        raw = getattr(ns, a.dest)
+        if raw is None or raw is False:
+            setattr(ns, a.dest, a.gpu if a.group != "model" else None)
+            continue
+        line.given.append(a.dest)
+        if shell and isinstance(raw, str) and "$" in raw:
+            line.unknown.append(a.dest)
+            line.unchecked.append(f"{a.flag} {raw}")
+            setattr(ns, a.dest, None if a.group == "model" else a.gpu)
+            continue
+        value, problem = a.convert(raw)
+        if problem:
+            findings.error(a.code, problem)
+        setattr(ns, a.dest, value)
+    del ns.help
+    for i in standalone:
+        line.standalone.append(tokens[i])
+        line.unchecked.append(tokens[i])
+    if standalone:
+        after = {tok.partition("=")[0] for tok in tokens[standalone[-1] + 1:]}
+        line.unknown += [a.dest for f, a in mine.items() if f not in after and a.dest not in line.unknown]
+    if findings.errors:  # the trainer does not start: judge nothing else on this line
+        line.unknown = [a.dest for a in mine.values()]
+    return line
+
+
+def parse_trainer_args(layout: str, argv: Sequence[str] | None = None, doc: str | None = None) -> argparse.Namespace:
+    """A trainer's parse_args: its values (None where the GPU or CPU default applies: resolve_defaults), or
+    ArgumentError with the line's refusals; --help prints the help and exits."""
+    line = read_trainer_argv(layout, sys.argv[1:] if argv is None else argv)
+    if line.findings.errors:
+        raise ArgumentError(refusal_text(line.findings.errors))
+    if line.help:
+        trainer_parser(layout, doc).print_help()
+        sys.exit(0)
+    return line.values
+
+
+def resolve_defaults(values: argparse.Namespace, cuda: bool) -> argparse.Namespace:
+    """Fill the model's arguments the line left out with the GPU or CPU default (the trainer, and --check-args)."""
+    for dest, default in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
+        if getattr(values, dest, None) is None:
+            setattr(values, dest, default)
+    return values
+
+
+def training_from_args(values: argparse.Namespace | dict, layout: str,
+                       names: Iterable[str] | None = None) -> Training:
+    """The Training of a trainer's arguments (`names`: only those, the others left at Training's defaults)."""
+    given = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
+    names = set(given if names is None else names)
+    t = Training(layout=layout)
+    for a in ARGS:
+        if a.dest not in names or a.dest not in given or layout not in a.layouts:
+            continue
+        if a.dest in TRAINING_FIELDS:
+            setattr(t, a.dest, given[a.dest])
+        elif a.group == "model" and given[a.dest] is not None:
+            t.model[a.dest] = given[a.dest]
+    return t
 
 
 # ---- I.2 The layer split ---------------------------------------------------------------------------------------------
@@ -288,19 +688,6 @@ def explicit_devices(where: str, devices: Sequence[int], nb_part: int | None,
                       f"GPU {','.join(map(str, shared))}: they run one after the other and their memory adds up "
                       f"(a one-GPU check of the pipeline, not a speed figure)")
     return devices, n
-
-
-def parse_devices(value: str, where: str, findings: Findings) -> list[int] | None:
-    """--devices 0,0: visible GPU indices, one per part."""
-    try:
-        devices = [int(x) for x in value.split(",")]
-        if min(devices) < 0:
-            raise ValueError
-        return devices
-    except ValueError:
-        findings.error("bad-value", f"{where}: --devices {value!r} must be GPU indices separated by commas, "
-                       "one per part, e.g. --devices 0,0")
-        return None
 
 
 # ---- I.4 Memory: will it fit? ----------------------------------------------------------------------------------------
@@ -594,11 +981,32 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_arguments(t: Training, cpu: bool = False) -> Findings:
+    """The trainers' refusals that need several arguments at once, on the values the trainer runs (the line's, else
+    the GPU or CPU defaults). One function for the trainers and the checker: check_training calls it. Each value's
+    own type and range are the definition's (Arg.convert, in read_trainer_argv)."""
+    findings = Findings()
+    model = model_args(t, cpu)
+    d, h = model["d_model"], model["n_head"]
+    if not t.known("d_model", "n_head") or d < 1 or h < 1:
+        return findings
+    if d % h:
+        findings.error("bad-argument", f"--d-model ({d}) must be a multiple of --n-head ({h}): each head gets "
+                       f"d_model / n_head dimensions; try --n-head {max(x for x in divisors(d) if x <= h)}")
+    if d % 2:
+        step = h * 2 // math.gcd(h, 2)
+        findings.error("bad-argument", f"--d-model ({d}) must be even (the positional encoding takes sines and "
+                       f"cosines in pairs); try --d-model {(d // step + 1) * step}")
+    return findings
+
+
 def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = False) -> None:
-    """The model and batch against the split: layers per part, chunks per batch."""
+    """The model and batch against the split: check_arguments, layers per part, chunks per batch. What the line
+    leaves unknown (a shell variable: t.unknown) is not judged, and no default is judged in its place."""
+    findings.extend(check_arguments(t, cpu))
     model = model_args(t, cpu)  # the trainer's defaults where the line gives nothing
     nlayers, chunks, batch = model["nlayers"], model["chunks"], model["batch_size"]
-    if nb_part >= 1:
+    if nb_part >= 1 and t.known("nlayers", "nb_part"):
         if nlayers < nb_part:
             findings.error("nlayers-below-nb-part",
                            f"--nlayers={nlayers} < nb_part={nb_part}: {nb_part - nlayers} GPU(s) of each task would "
@@ -612,7 +1020,9 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
                           f"{max(sizes)} layers, the others {min(sizes)} (layers per part {sizes}); the slowest "
                           f"part sets the pace: try --nlayers {nlayers - nlayers % nb_part} or "
                           f"{nlayers + nb_part - nlayers % nb_part}")
-    if chunks < 1 or batch < 1:
+    if not t.known("chunks", "batch_size"):
+        pass
+    elif chunks < 1 or batch < 1:
         findings.error("bad-value", f"--chunks ({chunks}) and --batch-size ({batch}) must be positive")
     elif chunks > batch:
         findings.error("chunks-above-batch",
@@ -623,15 +1033,12 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
         findings.error("chunks-not-dividing-batch",
                        f"--chunks={chunks} must divide the batch size per replica ({batch}): the micro-batches "
                        f"would differ in size; try --chunks {_choices(near)}")
-    if t.engine not in ENGINES:
+    if t.known("engine") and t.engine not in ENGINES:
         findings.error("bad-engine", f"--engine={t.engine!r} is not one of {', '.join(ENGINES)}")
-    if t.layout == "stage" and t.precision == "fp16":
+    if t.layout == "stage" and t.precision == "fp16" and t.known("precision"):
         findings.error("fp16-stage", "--precision fp16 needs a GradScaler around backward, but the stage layout's "
                        "schedules (torch.distributed.pipelining) run backward themselves; use --precision bf16, or "
                        "fp16 with bench_ddp_transformer.py (the replica layout)")
-    for arg in t.unchecked:
-        findings.warn("unchecked-argument", f"{arg} is a shell variable: not checked here; check each value "
-                      "with `python check_topology.py ... --nlayers/--chunks/--batch-size N`")
 
 
 def stages_per_rank(schedule: str, virtual: int) -> int:
@@ -640,11 +1047,14 @@ def stages_per_rank(schedule: str, virtual: int) -> int:
 
 def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None, t: Training,
                 findings: Findings, cpu: bool = False) -> int:
-    """The stage layout (bench_stage.py): a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per pipeline."""
+    """The stage layout (bench_stage.py): a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per
+    pipeline (0 where the line leaves the pipelines unknown: nothing that depends on them is judged)."""
     pp, v = t.pp, stages_per_rank(t.schedule, t.virtual_stages)
     chunks = model_args(t, cpu)["chunks"]
-    if t.schedule not in SCHEDULES:
+    if t.known("schedule") and t.schedule not in SCHEDULES:
         findings.error("bad-schedule", f"--schedule {t.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if not t.known("pp", "schedule", "virtual_stages"):
+        return 0
     if pp < 2:
         findings.error("pp-too-small", f"--pp {pp}: a pipeline needs at least 2 stages; for pure data parallel "
                        "use bench_ddp_transformer.py --nb-part 1")
@@ -666,6 +1076,8 @@ def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None
         findings.warn("pipeline-spans-nodes", f"--pp {pp} does not divide the {_choices(tasks_per_node)} tasks per "
                       f"node: some pipelines cross nodes and send activations over the network at every "
                       f"micro-batch; choose --pp in {_choices(d for d in divisors(min(tasks_per_node)) if d > 1)}")
+    if not t.known("chunks"):
+        return pp * v
     if t.schedule == "1f1b" and chunks < pp:
         findings.error("chunks-below-stages", f"--schedule 1f1b needs --chunks >= the {pp} stages of a pipeline "
                        f"(got {chunks}): try --chunks {pp * 2} or --schedule gpipe")
@@ -687,7 +1099,7 @@ def check_bubble(nb_part: int, t: Training, findings: Findings) -> None:
     (Huang et al. 2019, sec. 2.3) finds it negligible when M >= 4 x K."""
     chunks = t.chunks if t.chunks is not None else GPU_DEFAULTS["chunks"]
     batch = t.batch_size if t.batch_size is not None else GPU_DEFAULTS["batch_size"]
-    if nb_part < 2 or chunks < 1 or chunks >= 4 * nb_part:
+    if nb_part < 2 or chunks < 1 or chunks >= 4 * nb_part or not t.known("chunks", "batch_size", "nb_part"):
         return
     idle = bubble(nb_part, chunks)
     need = 4 * (nb_part - 1) + 1  # the fewest chunks that bring the bubble under 20 %
@@ -698,6 +1110,90 @@ def check_bubble(nb_part: int, t: Training, findings: Findings) -> None:
                   f"--chunks={chunks} is below 4 x nb_part = {4 * nb_part}: the pipeline bubble keeps each GPU idle "
                   f"(nb_part-1)/(chunks+nb_part-1) = {nb_part - 1}/{chunks + nb_part - 1} = {idle:.0%} of every "
                   f"step; {fix} brings it under 20 %")
+
+
+def check_trainer_task(layout: str, values: argparse.Namespace, plan: TaskPlan, launch: idr_torch.Launch,
+                       cuda: bool, torch_version: str, findings: Findings) -> None:
+    """What a trainer refuses before it builds anything, given its arguments (defaults filled) and this task's
+    plan: the pipelines (stage layout), the model and batch against the split (check_training, which runs
+    check_arguments), and what this torch release lacks. The trainers' make_plan and their --check-args call it."""
+    t = training_from_args(values, layout)
+    if layout == "stage":
+        parts = check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, t, findings, cpu=not cuda)
+    else:
+        parts = plan.nb_part
+    check_training(parts, t, findings, cpu=not cuda)
+    for line in torch_refusals(torch_version, t, cpu=not cuda):  # what this release lacks
+        findings.error("torch-release", line)
+
+
+def visible_gpus_here(launch: idr_torch.Launch) -> list[str]:
+    """The GPUs this task would use, found without torch: CUDA_VISIBLE_DEVICES (Slurm sets it for --gres and
+    --gpus*), else the node's /dev/nvidiaN devices, which CUDA enumerates when nothing restricts it."""
+    if "CUDA_VISIBLE_DEVICES" in launch.env:
+        return launch.visible_gpus
+    return [str(i) for i in range(sum(1 for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)))]
+
+
+def installed_torch_version() -> str | None:
+    """The release of the torch the trainer would import, read without importing it: its torch/version.py, else
+    its package metadata; None where there is no torch."""
+    import importlib.metadata
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    version = Path(spec.origin).parent / "version.py"
+    m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", version.read_text(), re.M) if version.is_file() else None
+    try:
+        return m.group(1) if m else importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | None = None) -> int:
+    """A trainer's --check-args: judge its line as the trainer does before it touches a GPU (this task's plan from
+    the launcher's environment, GPU or CPU defaults from the GPUs it sees, the torch release installed), print what
+    the trainer would print, and return the trainer's exit status: 0, 1 (a refusal), 2 (a line its argparse
+    refuses). No torch import: it takes a tenth of a second."""
+    prog = SCRIPTS[layout].removesuffix(".py")
+    env = os.environ if environ is None else environ
+    first = (env.get("RANK") or env.get("SLURM_PROCID") or "0").strip() in ("0", "")  # as the trainer's cli()
+
+    def refuse(text: object, code: int, everyone: bool = False) -> int:
+        if first or everyone:
+            print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
+        return code
+
+    try:
+        values = parse_trainer_args(layout, argv)
+        launch = idr_torch.Launch(environ) if environ is not None else idr_torch.current()
+    except ArgumentError as exc:
+        return refuse(exc, 2)
+    except idr_torch.LaunchError as exc:
+        return refuse(exc, 1, everyone=True)
+    version = installed_torch_version()
+    if version is None:
+        return refuse("torch is not installed for this python: load the cluster's PyTorch module (module load "
+                      "pytorch-gpu/py3/...) or pip install torch", 1, everyone=True)
+    visible = visible_gpus_here(launch)
+    resolve_defaults(values, cuda=bool(visible))
+    findings = Findings()
+    plan = plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, visible,
+                     launch.gpus_on_node, values.nlayers, 1 if layout == "stage" else values.nb_part, findings,
+                     getattr(values, "devices", None))
+    check_trainer_task(layout, values, plan, launch, bool(visible), version, findings)
+    if launch.rank == 0:
+        for f in findings:
+            if f.level != "error":
+                print(f"check_topology: {f}", flush=True)
+    if findings.errors:
+        return refuse(refusal_text(findings.errors), 1)
+    if launch.rank == 0:
+        where = f"GPUs {','.join(plan.gpu_ids)}" if plan.gpu_ids else "the CPU"
+        print(f"{prog}: --check-args: task {launch.rank} of {launch.size} would start: {plan.nb_part} part(s) on "
+              f"{where}, {'GPU' if visible else 'CPU'} defaults, torch {version}", flush=True)
+    return 0
 
 
 # ======================================================================================================================
@@ -729,7 +1225,8 @@ CATCHES = {
     "hetjob": ("warning", "a heterogeneous job, whose components are checked as one"),
     "node-range": ("warning", "--nodes=MIN-MAX: the plan assumes MIN"),
     "no-trainer-line": ("warning", "no trainer line (bench_ddp_transformer.py or bench_stage.py): the defaults are checked"),
-    "unchecked-argument": ("warning", "a trainer argument given as a shell variable"),
+    "unchecked-argument": ("warning", "a trainer argument given as a shell variable: it, and what depends on it, is "
+                           "not checked (a variable alone may hold any argument: then nothing that depends on them)"),
     # tasks and their placement
     "trainer-without-srun": ("error", "a trainer line without srun in a job of several tasks or nodes (one process runs)"),
     "nodes-missing": ("warning", "--ntasks without --nodes: Slurm picks the node count"),
@@ -784,6 +1281,15 @@ CATCHES = {
     "bad-engine": ("error", "an --engine the trainer does not have"),
     "bad-layout": ("error", "an argument the trainer's script does not have: --layout, or the other layout's "
                    "(--pp on bench_ddp_transformer.py, --nb-part on bench_stage.py)"),
+    # the trainer's own refusals of its line (the one definition of its arguments, read by its own parser)
+    "unknown-argument": ("error", "an option the trainer does not have: an abbreviation (refused), '_' for '-', a "
+                         "typo, with the full option it may stand for"),
+    "bad-argument": ("error", "a trainer argument's value the trainer refuses: not a number, outside its range "
+                     "(every count is bounded), no value, or a model it cannot build (--d-model not a multiple of "
+                     "--n-head)"),
+    "torch-release": ("error", "what the installed torch lacks (the trainer and its --check-args; in a job script "
+                      "the module line gives engine-unavailable / torch-too-old)"),
+    "no-training": ("warning", "a trainer line with --help or --check-args, which exits without training"),
     "bad-schedule": ("error", "a --schedule the stage layout does not have"),
     "pp-too-small": ("error", "stage layout: --pp below 2"),
     "pp-not-dividing-world": ("error", "stage layout: --pp not dividing the tasks"),
@@ -1521,61 +2027,51 @@ def read_directive(line: str, where: str, job: Job, findings: Findings) -> None:
         apply_option(job, name, value, where, findings)
 
 
+# What the checker judges from which arguments, in which layout: said when a shell variable hides some of them.
+DEPENDS = (("the fit in memory", ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size",
+                                 "dropout", "chunks", "batch_size", "precision", "activation_checkpointing", "zero",
+                                 "nb_part", "devices"), ("replica",)),
+           ("the pipeline bubble", ("chunks", "batch_size", "nb_part"), ("replica",)),
+           ("--chunks dividing --batch-size", ("chunks", "batch_size"), ("replica", "stage")),
+           ("the layers per part", ("nlayers", "nb_part", "pp", "schedule", "virtual_stages"), ("replica", "stage")),
+           ("the pipelines against the tasks", ("pp", "schedule", "virtual_stages", "chunks"), ("stage",)),
+           ("--d-model against --n-head", ("d_model", "n_head"), ("replica", "stage")))
+
+
 def training_from_argv(argv: list[str], t: Training, where: str, findings: Findings) -> None:
-    """The trainer's own arguments on its srun line (only the ones the plan depends on)."""
-    names = {"--nlayers": "nlayers", "--chunks": "chunks", "--batch-size": "batch_size", "--nb-part": "nb_part",
-             "--engine": "engine", "--pp": "pp", "--schedule": "schedule",
-             "--virtual-stages": "virtual_stages", "--precision": "precision"}
-    model = {"--d-model": "d_model", "--n-head": "n_head", "--d-hid": "d_hid", "--seq-len": "seq_len",
-             "--vocab-size": "vocab_size", "--dropout": "dropout"}
-    names.update(model)
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        name, eq, value = tok.partition("=")
-        i += 1
-        if tok in ("--activation-checkpointing", "--zero"):  # flags: no value
-            setattr(t, tok[2:].replace("-", "_"), True)
-            continue
-        if name == "--devices":
-            value, i = (value, i) if eq else (argv[i] if i < len(argv) else "", i + 1)
-            t.devices = parse_devices(value, where, findings)
-            continue
-        if name not in names:
-            continue
-        if not eq:
-            if i >= len(argv):
-                findings.error("bad-value", f"{where}: {name} has no value")
-                return
-            value, i = argv[i], i + 1
-        attr = names[name]
-        if "$" in value:
-            t.unchecked.append(f"{where}: {name} {value}")
-            continue
-        if attr in ("engine", "schedule", "precision"):
-            if attr == "precision" and value not in PRECISIONS:
-                findings.error("bad-value", f"{where}: --precision {value!r} is not one of {', '.join(PRECISIONS)}")
-                continue
-            setattr(t, attr, value)
-            continue
-        if attr == "dropout":
-            try:
-                t.model["dropout"] = float(value)
-            except ValueError:
-                findings.error("bad-value", f"{where}: --dropout {value!r} is not a number")
-            continue
-        try:
-            number = int(value)
-        except ValueError:
-            findings.error("bad-value", f"{where}: {name} {value!r} is not an integer")
-            continue
-        if below_one({name: number}):
-            findings.error("bad-value", f"{where}: {below_one({name: number})}")
-            continue
-        if name in model:
-            t.model[attr] = number
-        else:
-            setattr(t, attr, number)
+    """The trainer's arguments on its line, read by the trainer's own parser (read_trainer_argv): its refusals
+    become findings in its words; a shell variable leaves what it may set unknown (t.unknown), never judged."""
+    line = read_trainer_argv(t.layout, argv, shell=True)
+    findings.extend(Finding(f.level, f.code, f"{where}: {f.message}") for f in line.findings)
+    if line.findings.errors:
+        t.unknown = line.unknown
+        return
+    given = [d for d in line.given if d not in line.unknown]
+    known = training_from_args(line.values, t.layout, given)
+    for name in given:
+        if name in TRAINING_FIELDS:
+            setattr(t, name, getattr(known, name))
+        elif name in known.model:
+            t.model[name] = known.model[name]
+    t.unknown, t.unchecked = line.unknown, t.unchecked + [f"{where}: {u}" for u in line.unchecked]
+    script, source = SCRIPTS[t.layout], where.rpartition(":")[0] or "SCRIPT"
+    for token in line.unchecked:
+        alone = token in line.standalone
+        names = line.unknown if alone else [ARG[token.split(" ")[0][2:].replace("-", "_")].dest]
+        hidden = [what for what, needs, layouts in DEPENDS if t.layout in layouts and set(needs) & set(names)]
+        say = (f"may hold any of {script}'s arguments: nothing that depends on them is checked" if alone else
+               "is a shell variable: its value is not checked, nor what depends on it")
+        fix = (f"give the values it holds on the checker's command line (python check_topology.py {source} "
+               f"--nlayers N --chunks N --batch-size N ...): the arguments not given there are then taken at "
+               f"{script}'s defaults" if alone else
+               f"give its value on the checker's command line (python check_topology.py {source} "
+               f"{token.split(' ')[0]} VALUE)")
+        findings.warn("unchecked-argument", f"{where}: {token} {say}" + (f" ({', '.join(hidden)})" if hidden else "")
+                      + f", and no default is judged in its place; {fix}")
+    if line.help or line.values.check_args:
+        findings.warn("no-training", f"{where}: {script} {'--help' if line.help else '--check-args'} prints "
+                      f"{'its help' if line.help else 'its verdict on the arguments'} and exits: this line trains "
+                      "nothing; remove it to train")
 
 
 def read_trainer_line(line: str, script: str, where: str, job: Job, training: Training, findings: Findings) -> None:
@@ -1598,13 +2094,7 @@ def read_trainer_line(line: str, script: str, where: str, job: Job, training: Tr
         options, _command = parse_options(launcher[at + 1:], where, findings, prog="srun")
         for name, value in options:
             apply_srun_option(job, name, value, where, findings)
-    other = [a.partition("=")[0] for a in argv[cut + 1:] if a.partition("=")[0] in NOT_ARGS[training.layout]]
-    if other:
-        fix = ("use bench_stage.py for the stage layout" if training.layout == "replica"
-               else "use bench_ddp_transformer.py for the replica layout")
-        findings.error("bad-layout", f"{where}: {script} has no {', '.join(other)} (its argparse refuses the line); "
-                       f"{fix}")
-    training_from_argv([a for a in argv[cut + 1:] if a.partition("=")[0] != "--layout"], training, where, findings)
+    training_from_argv(argv[cut + 1:], training, where, findings)
 
 
 def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
@@ -1830,8 +2320,8 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
     if t.precision == "bf16" and v100:
         findings.error("bf16-on-v100", "--precision bf16 on V100 GPUs: V100s have no bf16; use --precision fp16 "
                        "(autocast with a GradScaler)")
-    if gib is None or t.layout != "replica" or nb_part < 1 or t.unchecked:
-        return None  # unknown GPU, the stage layout (not modelled), or shell variables on the line
+    if gib is None or t.layout != "replica" or nb_part < 1 or t.unknown:
+        return None  # unknown GPU, the stage layout (not modelled), or arguments the line leaves unknown
     model = model_args(t)
     try:
         parts = estimate_memory(model, t, nb_part, replicas)
@@ -2133,9 +2623,9 @@ def check_in_step(launch: idr_torch.Launch, training: Training,
 # ---- II.8 Command line -----------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(  # no abbreviations, as in the trainers (I.1)
         prog="check_topology.py", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         epilog="Exit status: 0 clean (warnings allowed), 1 errors, 2 usage error or unreadable file.")
     p.add_argument("sbatch_file", nargs="?", help="an sbatch script to check before submitting it")
     plan = p.add_argument_group("planning without a cluster")
@@ -2148,24 +2638,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cpus-per-task", "-c", type=int)
     plan.add_argument("--partition", "-p")
     plan.add_argument("--constraint", "-C")
-    train = p.add_argument_group("the trainer's arguments (override an sbatch file's srun line)")
-    train.add_argument("--nlayers", type=int)
-    train.add_argument("--chunks", type=int)
-    train.add_argument("--batch-size", type=int, help="per replica (task)")
-    train.add_argument("--engine", choices=ENGINES)
-    train.add_argument("--nb-part", type=int, help="GPUs per replica (default: derived as on the page)")
-    train.add_argument("--devices", help="visible GPU index of each part, e.g. 0,0 (two parts on one GPU)")
-    train.add_argument("--layout", choices=("replica", "stage"))
-    train.add_argument("--pp", type=int, help="stage layout: tasks per pipeline")
-    train.add_argument("--schedule", choices=SCHEDULES)
-    train.add_argument("--virtual-stages", type=int)
-    mem = p.add_argument_group("will it fit? (the trainer's model arguments, its memory options, the GPU's memory)")
-    for flag in ("--d-model", "--n-head", "--d-hid", "--seq-len", "--vocab-size"):
-        mem.add_argument(flag, type=int, help=f"default {GPU_DEFAULTS[flag[2:].replace('-', '_')]} (the trainer's GPU default)")
-    mem.add_argument("--dropout", type=float)
-    mem.add_argument("--precision", choices=PRECISIONS)
-    mem.add_argument("--activation-checkpointing", action="store_true", default=None)
-    mem.add_argument("--zero", action="store_true", default=None)
+    train = p.add_argument_group("the trainer's arguments (over those of an sbatch file's trainer line; the "
+                                 "trainers' own definition: same names, ranges and defaults, docs/arguments.md)")
+    train.add_argument("--layout", choices=("replica", "stage"),
+                       help="plan bench_ddp_transformer.py (replica, the default) or bench_stage.py (stage)")
+    for a in ARGS:
+        if not a.checked:
+            continue
+        only = f" [{SCRIPTS[a.layouts[0]]}]" if len(a.layouts) == 1 else ""
+        if a.kind is None:
+            train.add_argument(a.flag, dest=a.dest, action="store_true", default=None, help=a.help_text() + only)
+        else:
+            train.add_argument(a.flag, dest=a.dest, metavar="{" + ",".join(a.choices) + "}" if a.choices else None,
+                               help=a.help_text() + only)
+    mem = p.add_argument_group("will it fit? (the GPU's memory)")
     mem.add_argument("--gpu-mem", type=float, metavar="GiB",
                      help="memory of one GPU (default: from -C/-p, or the allocation's GPUs)")
     mem.add_argument("--advise", action="store_true",
@@ -2201,36 +2687,40 @@ PLANNING = ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_tas
 
 
 def override(args: argparse.Namespace, t: Training) -> Training:
-    """The trainer's arguments given on the checker's command line, over those of the sbatch file's trainer line."""
-    for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part", "layout", "pp", "schedule",
-                 "virtual_stages"):
-        if below_one({name: getattr(args, name)}):
-            raise UsageError(below_one({name: getattr(args, name)}))
-        if getattr(args, name) is not None:
-            setattr(t, name, getattr(args, name))
-    for name in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout"):
-        value = getattr(args, name)
-        if value is not None and (value < 0 if name == "dropout" else value < 1):
-            raise UsageError(f"--{name.replace('_', '-')} {value} must be at least {0 if name == 'dropout' else 1}")
-        if value is not None:
-            t.model[name] = value
-    for name in ("precision", "activation_checkpointing", "zero"):
-        if getattr(args, name) is not None:
-            setattr(t, name, getattr(args, name))
-    if args.devices is not None:
-        bad = Findings()
-        t.devices = parse_devices(args.devices, "command line", bad)
-        if bad:
-            raise UsageError(bad[0].message)
+    """The trainer's arguments given on the checker's command line, over those of the sbatch file's trainer line,
+    read with the trainers' definition (the same ranges, in the same words). They say what the line's shell
+    variables hold: nothing is left unknown, and what they do not give is the trainer's default."""
+    given = False
+    for a in ARGS:
+        raw = getattr(args, a.dest, None) if a.checked else None
+        if raw is None:
+            continue
+        value, problem = a.convert(raw)
+        if problem:
+            raise UsageError(problem)
+        if a.dest in TRAINING_FIELDS:
+            setattr(t, a.dest, value)
+        else:
+            t.model[a.dest] = value
+        given = True
+    if args.layout is not None:
+        t.layout = args.layout
+    if given:
+        t.unknown = []
     return t  # nlayers left None: check_job / task_facts take the trainer's default for GPU or CPU
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
     except SystemExit as exc:
         return 2 if exc.code else 0
+    if extras:  # what argparse would refuse, with the did-you-mean the trainers give
+        flags = re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_usage())
+        print(f"check_topology: {unknown_option(extras[0], flags, 'check_topology.py')}" if extras[0].startswith("-")
+              else f"check_topology: unexpected {extras[0]!r}: give one sbatch file at most", file=sys.stderr)
+        return 2
     training = Training()
 
     try:
@@ -2251,7 +2741,7 @@ def main(argv: list[str] | None = None) -> int:
             if missing and not (args.gpus_per_task and args.nodes):
                 raise UsageError(f"planning needs {' and '.join(missing)} (and --ntasks-per-node), e.g. "
                                  "--nodes 3 --gpus-per-node 4 --ntasks-per-node 2")
-            bad = below_one({k: getattr(args, k) for k in PLANNING})
+            bad = below_one_message({k: getattr(args, k) for k in PLANNING})
             if bad:
                 raise UsageError(bad)
             job = Job(**{k: getattr(args, k) for k in PLANNING}, gpu_mem=args.gpu_mem)

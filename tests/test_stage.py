@@ -104,15 +104,15 @@ def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chun
     torch.testing.assert_close(mean_loss.float(), loss.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--pp", "3"], "--pp 3 must divide the world size (4 tasks)"),
-    (["--pp", "2", "--schedule", "1f1b", "--chunks", "1"], "--schedule 1f1b needs --chunks >= the 2 stages"),
-    (["--pp", "1"], "--pp 1: a pipeline needs at least 2 stages"),
+@pytest.mark.parametrize("args,code,needle", [  # 2: a value the argument definition refuses (argparse's status)
+    (["--pp", "3"], 1, "--pp 3 must divide the world size (4 tasks)"),
+    (["--pp", "2", "--schedule", "1f1b", "--chunks", "1"], 1, "--schedule 1f1b needs --chunks >= the 2 stages"),
+    (["--pp", "1"], 2, "--pp 1 must be an integer from 2 to 1024 (a pipeline needs at least 2 stages"),
 ])
-def test_stage_layout_bad_requests(tmp_path, args, needle):
+def test_stage_layout_bad_requests(tmp_path, args, code, needle):
     runs("gpipe")
     results = bench([*args, "--cache-dir", str(tmp_path)], ntasks=4, timeout=90, script=STAGE)
-    assert all(r.returncode == 1 for r in results)
+    assert all(r.returncode == code for r in results)
     assert needle in results[0].stderr and "Traceback" not in results[0].stderr
 
 
