@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import math
 import os
@@ -51,7 +52,7 @@ __all__ = ["Arg", "ARGS", "ARG", "GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", 
            "parse_trainer_args", "resolve_defaults", "training_from_args", "part_sizes", "split_layers",
            "part_contents", "TaskPlan", "plan_task", "GIB", "PartMemory", "estimate_memory", "memory_line",
            "TORCH_FEATURES", "torch_refusals", "divisors", "check_arguments", "check_training", "stages_per_rank",
-           "check_stage", "bubble", "check_trainer_task", "check_args_main"]
+           "check_stage", "bubble", "check_trainer_task", "check_args", "check_args_main"]
 
 
 # ======================================================================================================================
@@ -342,6 +343,10 @@ def refusal_text(findings: Iterable[Finding]) -> str:
 class ArgumentError(ValueError):
     """A trainer line that the trainer's argparse refuses: the trainer prints it as its one line and exits 2."""
 
+    def __init__(self, message: str, findings: Findings | None = None) -> None:
+        super().__init__(message)
+        self.findings = findings if findings is not None else Findings()
+
 
 class _TrainerParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse would print its usage and exit: the caller reports it
@@ -367,6 +372,13 @@ def trainer_parser(layout: str, doc: str | None = None) -> argparse.ArgumentPars
             metavar = "{" + ",".join(a.choices) + "}" if a.choices else None
             p.add_argument(a.flag, dest=a.dest, metavar=metavar, help=a.help_text())
     return p
+
+
+@functools.lru_cache(maxsize=None)
+def _reading_parser(layout: str) -> argparse.ArgumentParser:
+    """trainer_parser without its description, built once: argparse's parsers keep no state between parses, and
+    building one costs more than reading a line with it."""
+    return trainer_parser(layout)
 
 
 @dataclass
@@ -462,7 +474,7 @@ def read_trainer_argv(layout: str, argv: Sequence[str], shell: bool = False) -> 
             f"use {other} for the {TRAINERS[other]} layout" if options else "remove it"))
     valued = {f for f, a in mine.items() if a.kind is not None}
     standalone = _standalone_variables(tokens, valued) if shell else []
-    parser = trainer_parser(layout)
+    parser = _reading_parser(layout)
     try:
         ns, extras = parser.parse_known_args(tokens)
     except ArgumentError as exc:
@@ -515,7 +527,7 @@ def parse_trainer_args(layout: str, argv: Sequence[str] | None = None, doc: str 
     ArgumentError with the line's refusals; --help prints the help and exits."""
     line = read_trainer_argv(layout, sys.argv[1:] if argv is None else argv)
     if line.findings.errors:
-        raise ArgumentError(refusal_text(line.findings.errors))
+        raise ArgumentError(refusal_text(line.findings.errors), line.findings)
     if line.help:
         trainer_parser(layout, doc).print_help()
         sys.exit(0)
@@ -1151,49 +1163,55 @@ def installed_torch_version() -> str | None:
         return None
 
 
-def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | None = None) -> int:
-    """A trainer's --check-args: judge its line as the trainer does before it touches a GPU (this task's plan from
-    the launcher's environment, GPU or CPU defaults from the GPUs it sees, the torch release installed), print what
-    the trainer would print, and return the trainer's exit status: 0, 1 (a refusal), 2 (a line its argparse
-    refuses). No torch import: it takes a tenth of a second."""
-    prog = SCRIPTS[layout].removesuffix(".py")
-    env = os.environ if environ is None else environ
-    first = (env.get("RANK") or env.get("SLURM_PROCID") or "0").strip() in ("0", "")  # as the trainer's cli()
-
-    def refuse(text: object, code: int, everyone: bool = False) -> int:
-        if first or everyone:
-            print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
-        return code
-
+def check_args(layout: str, argv: Sequence[str], environ: dict[str, str] | None = None
+               ) -> tuple[int, Findings, TaskPlan | None]:
+    """Judge a trainer's line as the trainer does before it touches a GPU: this task's plan from the launcher's
+    environment (idr_torch, whose LaunchError it raises as the trainer does), GPU or CPU defaults from the GPUs it
+    sees, the torch release installed. Returns the trainer's exit status (0; 1: a refusal; 2: a line its argparse
+    refuses), what it says, and the plan."""
     try:
         values = parse_trainer_args(layout, argv)
-        launch = idr_torch.Launch(environ) if environ is not None else idr_torch.current()
     except ArgumentError as exc:
-        return refuse(exc, 2)
-    except idr_torch.LaunchError as exc:
-        return refuse(exc, 1, everyone=True)
+        return 2, exc.findings, None
+    findings = Findings()
+    launch = idr_torch.Launch(environ) if environ is not None else idr_torch.current()
     version = installed_torch_version()
     if version is None:
-        return refuse("torch is not installed for this python: load the cluster's PyTorch module (module load "
-                      "pytorch-gpu/py3/...) or pip install torch", 1, everyone=True)
+        findings.error("torch-release", "torch is not installed for this python: load the cluster's PyTorch module "
+                       "(module load pytorch-gpu/py3/...) or pip install torch")
+        return 1, findings, None
     visible = visible_gpus_here(launch)
     resolve_defaults(values, cuda=bool(visible))
-    findings = Findings()
     plan = plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, visible,
                      launch.gpus_on_node, values.nlayers, 1 if layout == "stage" else values.nb_part, findings,
                      getattr(values, "devices", None))
     check_trainer_task(layout, values, plan, launch, bool(visible), version, findings)
-    if launch.rank == 0:
+    return (1 if findings.errors else 0), findings, plan
+
+
+def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | None = None) -> int:
+    """A trainer's --check-args: check_args, printed as the trainer prints (warnings and the verdict from rank 0,
+    a launcher error from every rank), and its exit status. No torch import: it takes a tenth of a second."""
+    prog = SCRIPTS[layout].removesuffix(".py")
+    env = os.environ if environ is None else environ
+    first = (env.get("RANK") or env.get("SLURM_PROCID") or "0").strip() in ("0", "")  # as the trainer's cli()
+    try:
+        status, findings, plan = check_args(layout, argv, environ)
+    except idr_torch.LaunchError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if first:
         for f in findings:
             if f.level != "error":
                 print(f"check_topology: {f}", flush=True)
-    if findings.errors:
-        return refuse(refusal_text(findings.errors), 1)
-    if launch.rank == 0:
+    if status:
+        if first:
+            print(f"{prog}: error: {refusal_text(findings.errors)}", file=sys.stderr, flush=True)
+    elif first:
         where = f"GPUs {','.join(plan.gpu_ids)}" if plan.gpu_ids else "the CPU"
-        print(f"{prog}: --check-args: task {launch.rank} of {launch.size} would start: {plan.nb_part} part(s) on "
-              f"{where}, {'GPU' if visible else 'CPU'} defaults, torch {version}", flush=True)
-    return 0
+        print(f"{prog}: --check-args: task {plan.rank} would start: {plan.nb_part} part(s) on {where}, "
+              f"{'CPU' if plan.cpu else 'GPU'} defaults", flush=True)
+    return status
 
 
 # ======================================================================================================================
