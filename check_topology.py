@@ -204,7 +204,7 @@ ARGS = (
         help="dropout (on the CPU its masks cost as much as the matmuls)"),
     Arg("--seq-len", int, 256, 64, 1, 131072, group="model", checkpoint=True, help="tokens per review"),
     Arg("--vocab-size", int, 30000, 2000, 3, 10_000_000, group="model", checkpoint=True,
-        why="<pad>, <unk> and at least one word", help="vocabulary incl. <pad>,<unk>"),
+        why="the two special tokens <pad> and <unk>, and at least one word", help="vocabulary incl. <pad>,<unk>"),
     Arg("--chunks", int, 4, 2, 1, 4096, group="model", help="micro-batches per batch: 1 = naive model parallel"),
     Arg("--batch-size", int, 64, 32, 1, 65536, group="model", help="samples per step per replica"),
     # the page's closing advice: what a GPU holds
@@ -445,18 +445,13 @@ def _standalone_variables(tokens: list[str], valued: set[str]) -> list[int]:
     return out
 
 
-def read_trainer_argv(layout: str, argv: Sequence[str], shell: bool = False) -> TrainerLine:
-    """Read a trainer's argv as its argparse does: the trainers' parse_args and the checker both call this, so the
-    checker's findings on a line are the trainer's own refusals. shell=True (the checker): a token with '$' is a
-    shell expansion the script's reader could not do; as an option's value that option is unknown, alone it may hold
-    any arguments, so every argument it could set is unknown (those given after it are not: they win)."""
+def _without_other_layouts_options(layout: str, argv: list[str], findings: Findings) -> list[str]:
+    """argv less the other layout's options (and --layout) with their values, refused in one finding that names
+    them all and the script that has them."""
     prog, other = SCRIPTS[layout], SCRIPTS["stage" if layout == "replica" else "replica"]
-    mine = {a.flag: a for a in ARGS if layout in a.layouts}
     theirs = {a.flag for a in ARGS if layout not in a.layouts} | {"--layout"}
-    findings, tokens, foreign = Findings(), [], []
-    argv = list(argv)
-    i = 0
-    while i < len(argv):  # the other layout's options: one refusal naming all of them
+    tokens, foreign, i = [], [], 0
+    while i < len(argv):
         name, eq, _ = argv[i].partition("=")
         if name in theirs:
             foreign.append(name)
@@ -472,28 +467,36 @@ def read_trainer_argv(layout: str, argv: Sequence[str], shell: bool = False) -> 
             [f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} {other}'s"] if options else [])
         findings.error("bad-layout", f"{prog} has no {', '.join(names)} ({'; '.join(why)}); " + (
             f"use {other} for the {TRAINERS[other]} layout" if options else "remove it"))
-    valued = {f for f, a in mine.items() if a.kind is not None}
-    standalone = _standalone_variables(tokens, valued) if shell else []
+    return tokens
+
+
+def read_trainer_argv(layout: str, argv: Sequence[str], shell: bool = False) -> TrainerLine:
+    """Read a trainer's argv as its argparse does: the trainers' parse_args and the checker both call this, so the
+    checker's findings on a line are the trainer's own refusals. shell=True (the checker): a token with '$' is a
+    shell expansion the script's reader could not do; as an option's value that option is unknown, alone it may hold
+    any arguments, so every argument it could set is unknown (those given after it are not: they win)."""
+    prog, mine = SCRIPTS[layout], {a.flag: a for a in ARGS if layout in a.layouts}
+    findings = Findings()
+    tokens = _without_other_layouts_options(layout, list(argv), findings)
+    standalone = _standalone_variables(tokens, {f for f, a in mine.items() if a.kind is not None}) if shell else []
     parser = _reading_parser(layout)
     try:
         ns, extras = parser.parse_known_args(tokens)
     except ArgumentError as exc:
         findings.error("bad-argument", _argparse_refusal(str(exc)))
         ns, extras = parser.parse_known_args([])
-    after_option = False
+    value_of_unknown = False  # a word after an unknown option is taken as its value, said with it
     for tok in extras:
-        if shell and _is_variable(tok):
-            after_option = False
-            continue  # a standalone variable (below)
-        if tok.startswith("-") and len(tok) > 1:
+        if shell and _is_variable(tok):  # a standalone variable (below)
+            value_of_unknown = False
+        elif tok.startswith("-") and len(tok) > 1:
             findings.error("unknown-argument", unknown_option(tok, mine, prog))
-            after_option = "=" not in tok
-        elif not after_option:  # (a word after an unknown option is taken as its value, said with it)
+            value_of_unknown = "=" not in tok
+        elif not value_of_unknown:
             findings.error("unknown-argument", f"{tok!r} is not an option of {prog}: its arguments are all "
                            "--name VALUE or --switch")
-            after_option = False
         else:
-            after_option = False
+            value_of_unknown = False
     line = TrainerLine(ns, findings, [], help=bool(ns.help))
     for a in mine.values():
         raw = getattr(ns, a.dest)
@@ -501,7 +504,7 @@ def read_trainer_argv(layout: str, argv: Sequence[str], shell: bool = False) -> 
             setattr(ns, a.dest, a.gpu if a.group != "model" else None)
             continue
         line.given.append(a.dest)
-        if shell and isinstance(raw, str) and "$" in raw:
+        if shell and isinstance(raw, str) and "$" in raw and a.group != "files":  # (paths: nothing judges them)
             line.unknown.append(a.dest)
             line.unchecked.append(f"{a.flag} {raw}")
             setattr(ns, a.dest, None if a.group == "model" else a.gpu)
