@@ -71,6 +71,8 @@ def compare(layout: str, argv: list[str], folder: Path) -> None:
     tasks = trainer(layout, argv)
     refused = [f for _, fs in tasks for f in fs.errors]
     errors = [f for f in found if f.level == "error"]
+    if status == 2:  # the trainer stops at its line; the checker also judges the job's module, whatever the line
+        errors = [f for f in errors if f.code not in RELEASE]
     mine = {f.code for f in errors} - CHECKER_ONLY
     theirs = {RELEASE.get(f.code, f.code) for f in refused}
     assert {RELEASE.get(c, c) for c in mine} == theirs, (argv, [str(f) for f in errors], [str(f) for f in refused])
@@ -224,7 +226,7 @@ def test_check_args_imports_no_torch(tmp_path):
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('--check-args imported torch')\n")
-    (fake / "version.py").write_text(f"__version__ = {TORCH!r}\n")
+    (fake / "version.py").write_text("__version__ = '2.13.0'\n")  # a release that runs both layouts
     for layout, argv in (("replica", ["--nlayers", "8"]), ("stage", ["--pp", "2", "--schedule", "gpipe"])):
         env = dict(srun_envs(TASKS[layout])[0], PYTHONPATH=str(tmp_path))
         status, out, err = run_script(layout, argv, env)
