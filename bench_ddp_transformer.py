@@ -12,6 +12,8 @@ One machine:
     torchrun --nproc-per-node 2 bench_ddp_transformer.py --chunks 4
 One replica, no GPU, no data (the synthetic corpus; the model still split in 2 parts on the CPU):
     python bench_ddp_transformer.py
+The trainer's verdict on its arguments alone, without importing torch (docs/arguments.md):
+    python bench_ddp_transformer.py --check-args --nlayers 16 --chunks 4 --batch-size 64
 A task per GPU instead (torch.distributed.pipelining): bench_stage.py, which reuses this file's model and loop.
 
 The page's code comes first, in the page's order: process group and RPC, nb_part / first_part / last_part,

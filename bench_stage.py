@@ -11,6 +11,8 @@ On a Slurm cluster (a task per GPU):
     srun python bench_stage.py --pp 2 --schedule 1f1b --chunks 8 --batch-size 128 --data-dir $DSDIR/IMDB
 One machine, no GPU:
     torchrun --nproc-per-node 4 bench_stage.py --pp 2
+The trainer's verdict on its arguments alone, without importing torch (docs/arguments.md):
+    srun python bench_stage.py --check-args --pp 2 --schedule 1f1b --chunks 8
 """
 from __future__ import annotations
 
