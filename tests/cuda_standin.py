@@ -55,6 +55,7 @@ import os
 import runpy
 import sys
 import threading
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -111,7 +112,9 @@ def is_gpu(device: object) -> bool:
     return isinstance(device, str) and device.startswith("cuda")
 
 
-STORAGE: dict[int, int] = {}  # storage address -> GPU: views and detached copies made where no hook sees them
+# storage address -> GPU, for the tensors placed explicitly (device=, .to): views of them made where no hook runs (a
+# pipeline's receive buffers) share the storage. Forgotten when the tensor goes, so a reused address says nothing.
+STORAGE: dict[int, int] = {}
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -130,21 +133,23 @@ def device_of(t: object) -> int | None:
     return STORAGE.get(storage_key(t))
 
 
-def tag(t: object, gpu: int | None) -> None:
+def tag(t: object, gpu: int | None, placed: bool = False) -> None:
+    """Remember the GPU of `t` (a tensor, or those in a list); `placed`: the trainer put it there explicitly."""
     if isinstance(t, torch.Tensor):
         try:
             t._standin_gpu = gpu
         except (AttributeError, RuntimeError):
             return
-        key = storage_key(t)
+        key = storage_key(t) if placed else None
         if key is not None:
             if gpu is None:
                 STORAGE.pop(key, None)
             else:
                 STORAGE[key] = gpu
+                weakref.finalize(t, STORAGE.pop, key, None)
     elif isinstance(t, (list, tuple)):
         for x in t:
-            tag(x, gpu)
+            tag(x, gpu, placed)
 
 
 def first_tensor(*trees: object) -> torch.Tensor | None:
@@ -186,7 +191,7 @@ def tensor_to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tens
         return out
     if target is not None:
         REC.touch(target, "Tensor.to")
-    tag(out, target)
+    tag(out, target, placed=True)
     return out
 
 
@@ -215,10 +220,10 @@ class Placement(TorchFunctionMode):
         if target == "inherit":
             source = first_tensor(args, kwargs)
             if source is not None and device_of(source) is not None and isinstance(out, (torch.Tensor, list, tuple)):
-                if not (isinstance(out, torch.Tensor) and device_of(out) is not None):
+                if not (isinstance(out, torch.Tensor) and hasattr(out, "_standin_gpu")):  # in place: keeps its own
                     tag(out, device_of(source))
         else:
-            tag(out, target)
+            tag(out, target, placed=True)
         return out
 
 
@@ -241,6 +246,9 @@ class FakeStream:
 
     def query(self) -> bool:
         return True
+
+    def is_capturing(self) -> bool:
+        return False
 
 
 class FakeEvent:
@@ -494,10 +502,23 @@ TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_ga
                       "send_object_list", "recv_object_list", "scatter_object_list")
 
 
+# torch.accelerator (2.6 on), the device-generic face of the same calls, which the optimizers use from 2.14
+ACCELERATOR = dict(
+    is_available=lambda *a, **k: True, device_count=lambda: GPUS,
+    current_accelerator=lambda *a, **k: torch.device("cuda"), current_device_index=REC.current,
+    current_device_idx=REC.current, set_device_index=set_device, set_device_idx=set_device,
+    current_stream=current_stream, synchronize=touching("synchronize"),
+)
+
+
 def install() -> None:
     import torch._dynamo  # noqa: F401  (its device table checks torch.cuda's real Stream and Event when first imported)
     for name, fake in CUDA.items():
         setattr(torch.cuda, name, fake)
+    if hasattr(torch, "accelerator"):
+        for name, fake in ACCELERATOR.items():
+            if hasattr(torch.accelerator, name):
+                setattr(torch.accelerator, name, fake)
     torch.Tensor.to, torch.Tensor.cuda = tensor_to, tensor_cuda
     torch.Tensor.record_stream = lambda self, stream: None  # also in a Pipe's worker threads
     torch.Tensor.pin_memory = lambda self, *a, **k: self
