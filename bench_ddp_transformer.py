@@ -21,6 +21,7 @@ have (data and cache, checkpoints and resume, stop signals, the JSON record) com
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -217,12 +218,18 @@ def nccl_environment() -> str:
         folder = Path(f"nccl_trace_{idr_torch.current().job_id or os.getpid()}").resolve()
         with contextlib.suppress(OSError):
             folder.mkdir(exist_ok=True)
+            atexit.register(_remove_if_empty, folder)  # a run that ends normally leaves no empty folder behind
         env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{folder}/rank_"
     env.setdefault("NCCL_DEBUG", "WARN")
     trace = env.get("TORCH_FR_DUMP_TEMP_FILE") or env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
     return ", ".join(said + [f"on a timeout each task writes its last "
                              f"{env.get('TORCH_FR_BUFFER_SIZE') or env['TORCH_NCCL_TRACE_BUFFER_SIZE']} "
                              f"collectives to {trace}<rank> (flight recorder) and its Python stacks to stderr"])
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def report_hangs() -> None:

@@ -528,8 +528,9 @@ def install() -> None:
                    new_group=new_group(c10d.new_group), get_backend=get_backend(c10d.get_backend),
                    batch_isend_irecv=batch_isend_irecv(c10d.batch_isend_irecv))
     for name, fn in wrapped.items():
-        for module in (c10d, dist, device_mesh):
-            if hasattr(module, name):
+        original = getattr(c10d, name)
+        for module in (dist, device_mesh, c10d):  # where torch's code reaches them (not device_mesh's own `reduce`)
+            if getattr(module, name, None) is original:
                 setattr(module, name, fn)
     from torch.nn.parallel import DistributedDataParallel
     DistributedDataParallel.__init__ = ddp_init(DistributedDataParallel.__init__)
