@@ -1070,7 +1070,8 @@ def cpu_threads(launch: idr_torch.Launch) -> int:
     intra-op threads and its DataLoader workers: its own cores when Slurm bound it, else the node's split between
     its tasks (N tasks each using every core would oversubscribe the node). SLURM_CPUS_PER_TASK is what was asked,
     not what the task got: srun 22.05 does not pass --cpus-per-task on to the step, so a plain `srun` in a
-    `-c 10` job binds each task to one core (measured on the test cluster); say so once."""
+    `-c 10 --hint=nomultithread` job binds each task to one core (measured on the test cluster's task/affinity
+    variant, tests/test_cpu_binding.py); say so once."""
     avail = len(os.sched_getaffinity(0))
     share = max(1, avail // launch.local_world_size)
     cpt = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
