@@ -23,6 +23,7 @@ have (data and cache, checkpoints and resume, stop signals, the JSON record) com
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -42,7 +43,7 @@ import warnings
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
     import check_topology
@@ -84,6 +85,7 @@ import idr_torch  # the page's idr_torch: rank, size, local_rank, cpus_per_task 
 CACHE_FORMAT = 2  # bump when the tokenised cache layout changes
 RESUME_FORMAT = "bench_ddp_transformer/resume/1"  # the companion file of --save (what resuming needs)
 HOST_GROUP: list = [None]  # the gloo group for CPU-side collectives (None: the default group is gloo already)
+TASK_GPUS: list[int] = []  # this task's GPUs, first_part first (use_gpus); empty without a GPU
 
 
 class RunError(Exception):
@@ -154,17 +156,133 @@ class Decoder(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------------
 # the page's path, in its order
+def use_gpus(plan: check_topology.TaskPlan) -> None:
+    """torch.cuda.set_device(first_part) before anything touches CUDA (both trainers' main() call it right after the
+    plan). Without it every CUDA call that takes no device (a context, a pinned-memory thread, an object collective)
+    lands on cuda:0, whatever GPUs the task owns; tests/test_gpu_rules.py checks it for every task of a node."""
+    TASK_GPUS[:] = [] if plan.cpu else list(dict.fromkeys(plan.devices))
+    if TASK_GPUS:
+        torch.cuda.set_device(plan.first_part)
+
+
 def init_distributed(timeout: float, cuda: bool) -> None:
     """The page's dist.init_process_group(backend='nccl', init_method='env://', world_size=idr_torch.size,
-    rank=idr_torch.rank); gloo where there is no GPU."""
-    if cuda:  # a collective whose peer died fails after `timeout` instead of blocking forever
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    rank=idr_torch.rank); gloo where there is no GPU.
+
+    device_id= binds the nccl group to one GPU: its communicator is created here (an error shows at start-up, not
+    at the first collective), barrier() uses it, and subgroups are split from it. But any collective on another GPU
+    then raises "Attempt to perform collective on tensor not on device passed to init_process_group"
+    (ProcessGroupNCCL::getNCCLComm, every release from 2.3.1 to 2.14.1), and DDP all-reduces each bucket on the GPU
+    of its parameters: so only a task whose parts are all on one GPU binds (nb_part 1, the stage layout, --devices
+    0,0); the page's multi-GPU replica does not."""
+    if cuda:
+        log(f"nccl: {nccl_environment()}")
+    report_hangs()
     idr_torch.export_env()  # MASTER_ADDR/PORT (kept if already set), RANK, WORLD_SIZE, LOCAL_RANK
+    bind = {"device_id": torch.device("cuda", TASK_GPUS[0])} if cuda and len(TASK_GPUS) == 1 else {}
     dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", world_size=idr_torch.size,
-                            rank=idr_torch.rank, timeout=timedelta(seconds=timeout))
-    # Python objects (RNG states, placements) and the stop flag travel on the CPU: nccl would put them on
-    # cuda:0 of every task, one GPU shared by the node's tasks (nccl refuses that), and sync the GPU stream.
+                            rank=idr_torch.rank, timeout=timedelta(seconds=timeout), **bind)
+    # The CPU side's collectives (the stop flag, Python objects, the data barrier) run on gloo: on nccl an object
+    # collective goes to the current device and syncs its stream (_object_to_tensor(obj, "cuda") in 2.3.1 to
+    # 2.14.1), and a barrier picks a GPU by its own guess (see load_corpus).
     HOST_GROUP[:] = [dist.new_group(backend="gloo") if cuda else None]
+
+
+def nccl_environment() -> str:
+    """What a hang and an error leave to read, set before the first nccl group (each release reads these once, in
+    ProcessGroupNCCL's constructor); a value the user exported wins. Names and defaults from each release's
+    ProcessGroupNCCL.hpp (and FlightRecorder.hpp from 2.8), and the strings in its libtorch_cuda.so:
+      - TORCH_NCCL_ASYNC_ERROR_HANDLING (older name NCCL_ASYNC_ERROR_HANDLING, still read, with a deprecation
+        warning, by every release from 2.3.1 to 2.14.1): left at the releases' default 3, "SkipCleanUp": when a
+        collective times out the watchdog ends the process without ncclCommAbort, which can itself hang on a dead
+        peer. 0 (or 2) would leave the job waiting until its time limit; a value the user set is kept and named.
+      - TORCH_NCCL_BLOCKING_WAIT: not set. It makes every wait() block the CPU until the collective ends (the
+        timeout then raises in Python), so the CPU stops queuing work ahead of DDP's all-reduces; the watchdog
+        above times out the same collectives without that cost.
+      - Flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE (TORCH_FR_BUFFER_SIZE first from 2.8) = 2000 last
+        collectives per task (the default is 0, off, in the older sources, 2000 in the newer);
+        TORCH_NCCL_DUMP_ON_TIMEOUT=1 (off by default in 2.3) writes them when the watchdog fires, to
+        TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (TORCH_FR_DUMP_TEMP_FILE first from 2.8), by default
+        /tmp/nccl_trace_rank_<rank>: a compute node's /tmp, gone with the job, so here the job's folder:
+        nccl_trace_<job>/rank_<rank>. Read it with `torchfrtrace nccl_trace_<job>` (2.6 on) or pickle.load
+        (docs/gpu.md).
+      - NCCL_DEBUG=WARN: nccl prints its own errors (e.g. "Duplicate GPU detected : rank 0 and rank 1 both on CUDA
+        device ...", a network failure) on stderr, not only an error code."""
+    env, said = os.environ, []
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
+                 "NCCL_BLOCKING_WAIT"):
+        if env.get(name, "").strip():
+            said.append(f"{name}={env[name]} (yours)")
+    mode = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING", "3")).strip()
+    if mode in ("0", "2"):
+        said.append("warning: with async error handling 0 or 2 a collective whose peer died blocks until the time "
+                    "limit; unset it (the default, 3, ends the task after --timeout)")
+    if not (env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if not (env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
+        folder = Path(f"nccl_trace_{idr_torch.current().job_id or os.getpid()}").resolve()
+        with contextlib.suppress(OSError):
+            folder.mkdir(exist_ok=True)
+            atexit.register(_remove_if_empty, folder)  # a run that ends normally leaves no empty folder behind
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{folder}/rank_"
+    env.setdefault("NCCL_DEBUG", "WARN")
+    trace = env.get("TORCH_FR_DUMP_TEMP_FILE") or env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    return ", ".join(said + [f"on a timeout each task writes its last "
+                             f"{env.get('TORCH_FR_BUFFER_SIZE') or env['TORCH_NCCL_TRACE_BUFFER_SIZE']} "
+                             f"collectives to {trace}<rank> (flight recorder) and its Python stacks to stderr"])
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def report_hangs() -> None:
+    """Python's stacks of every thread on stderr when the process dies of a signal: the nccl watchdog ends a task
+    with std::abort (SIGABRT) after --timeout; a segfault in a library likewise. The Watchdog below covers the
+    hangs nccl does not see (gloo, a send or receive, Python itself)."""
+    import faulthandler
+    if not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+class Watchdog:
+    """Ends this task with its stacks and one line when a step makes no progress for `timeout` seconds.
+
+    A rank blocked in a pipelining send or receive waits in C++ with no timeout (gloo's and nccl's point-to-point, on
+    the releases tested), a rank stuck in Python (a Pipe worker, the data) has none at all, and Python runs signal
+    handlers only between bytecodes, so neither SIGTERM nor the stop request reaches it. This thread still runs (the
+    wait releases the GIL). It fires `grace` seconds after --timeout so that on nccl the watchdog's flight-recorder
+    dump comes first (TORCH_NCCL_DUMP_ON_TIMEOUT; nccl's watchdog waits TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 2 to
+    60 s by release, for it before it ends the task)."""
+
+    def __init__(self, timeout: float, rank: int, prog: str = "bench_ddp_transformer", grace: float = 90.0) -> None:
+        self.timeout, self.rank, self.prog, self.grace = timeout, rank, prog, grace
+        self.step, self.beat = 0, time.monotonic()
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+
+    def tick(self, step: int) -> None:
+        self.step, self.beat = step, time.monotonic()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        import faulthandler
+        limit = self.timeout + self.grace
+        while not self.done.wait(min(5.0, limit / 4)):
+            idle = time.monotonic() - self.beat
+            if idle > limit:
+                print(f"{self.prog}: error: task {self.rank} made no progress for {idle:.0f}s after step "
+                      f"{self.step} (--timeout {self.timeout:g}): a collective, send or receive never completed "
+                      "(a task died or hung; each task's Python stacks follow, and on nccl its last collectives in "
+                      "the flight recorder's file); stopping instead of waiting for the time limit",
+                      file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(1)
 
 
 def init_rpc_for_pipe() -> tempfile.NamedTemporaryFile:
@@ -269,9 +387,37 @@ class PipeModel(nn.Sequential):
         gc.collect()
 
 
+class Trainer(Protocol):
+    """What the training loop (train() and the functions it calls) uses of a layout: Replica below (the page's), or
+    bench_stage.py's Stages (a task per GPU)."""
+    name: str  # "replica" or "stage"
+    engine: str  # the pipeline engine: torch-pipe, fairscale or pipelining
+    equal_batches: bool  # the layout needs every batch the same size (the short last one dropped)
+    nb_part: int  # parts of one replica
+    dp_size: int  # replicas
+    dp_rank: int  # this task's replica (its share of the data)
+    stats_device: torch.device | str  # where the loss and accuracy live: the same part on every task
+    total_params: int
+    memory: str  # the start-up line of the memory estimate
+    estimate_gib: float | None  # the estimated peak of one GPU (None where the layout has no model)
+
+    def describe(self) -> str: ...
+    def load(self, model_state: dict, optimizer_state: dict | None) -> None: ...
+    def start(self) -> None: ...
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def state(self) -> tuple[dict, dict] | None: ...
+    def synchronize(self) -> None: ...
+    def peak_memory_gb(self) -> float: ...
+    def divergence(self) -> float: ...
+    def placement(self, launch: idr_torch.Launch) -> dict: ...
+    def record(self) -> dict: ...
+    def close(self) -> None: ...
+
+
 class Replica:
     """The page's layout: this task holds one whole replica, split over its GPUs by a Pipe; DDP across tasks.
-    The training loop (train() below) drives it; bench_stage.py's Stages has the same methods."""
+    The training loop (train() below) drives it through the Trainer protocol, as it drives bench_stage.py's Stages."""
     name = "replica"
     equal_batches = False  # the Pipe takes a short last batch
 
@@ -303,8 +449,13 @@ class Replica:
 
     def start(self) -> None:
         # ddp_mp_model = DistributedDataParallel(model): no device_ids / output_device, the module spans
-        # several devices (the page's "Important")
+        # several devices (the page's "Important"). Its collectives run on the GPUs of the parameters, the same part
+        # on every task: verify_params_across_processes on params[0] (first_part), broadcast_coalesced of the
+        # parameters and buffers in buckets that never span GPUs, one all-reduce per gradient bucket on its GPU
+        # (reducer.cpp, comm.cpp; every release from 2.3.1 to 2.14.1). So nccl builds one communicator per part,
+        # part p of task t on GPU first_part(t) + p: distinct GPUs on a node, as nccl requires.
         self.ddp_mp_model = DistributedDataParallel(self.model)
+        self.steps, self.watchdog = 0, Watchdog(self.cfg.timeout, idr_torch.rank)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One step; returns (loss x samples, correct, samples) on the device, never read here."""
@@ -317,6 +468,8 @@ class Replica:
         else:  # fp16: unscale the gradients, skip the step if one overflowed, adapt the scale
             self.scaler.step(self.optimizer)
             self.scaler.update()
+        self.steps += 1
+        self.watchdog.tick(self.steps)
         return torch.stack([loss * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
 
     def state(self) -> tuple[dict, dict] | None:
@@ -336,6 +489,7 @@ class Replica:
         self.model.eval()  # the Pipe directly, not DDP: no collectives per batch
         logits = self.model(x.to(self.first_part_device, non_blocking=True))
         self.model.train()
+        self.watchdog.tick(self.steps)
         y = y.to(self.last_part_device, non_blocking=True)
         return torch.stack([(logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
 
@@ -358,13 +512,16 @@ class Replica:
 
     def placement(self, launch: idr_torch.Launch) -> dict:
         return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "nb_part": self.nb_part,
-                "devices": [self.plan.device(i) for i in range(self.nb_part)], "gpu_ids": self.plan.gpu_ids}
+                "devices": [self.plan.device(i) for i in range(self.nb_part)], "gpu_ids": self.plan.gpu_ids,
+                **cpu_placement()}
 
     def record(self) -> dict:
         return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": None,
                 "schedule": "gpipe", "gpus": idr_torch.size * self.nb_part, "estimated_mem_gb": self.estimate_gib}
 
     def close(self) -> None:
+        if getattr(self, "watchdog", None):
+            self.watchdog.stop()
         self.model.close()
 
 
@@ -387,10 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)  # nb_part, first_part, last_part of this task, or one clear error
     engine = pick_engine(cfg.engine)
+    use_gpus(plan)  # torch.cuda.set_device(first_part), before anything touches CUDA
     return run(cfg, cuda, engine, lambda: Replica(cfg, plan, engine))
 
 
-def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable[[], "Replica"]) -> int:
+def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable[[], "Trainer"]) -> int:
     """init_process_group, init_rpc where the engine needs it, the model, train(); then tear it all down, even
     on an error (a Pipe left alive hangs the process at exit)."""
     launch = idr_torch.current()
@@ -754,7 +912,11 @@ def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dic
     if idr_torch.rank == 0:
         data = read() or build()
     if world > 1:
-        dist.barrier()
+        # On gloo, never on nccl's group: nccl's barrier() all-reduces on device_ids[0], else the device bound by
+        # init_process_group, else the lowest GPU the group used, else global rank % GPUs per node (barrier() in
+        # 2.3.1-2.6.0, guessDeviceId() in 2.8.0-2.14.1), not the current device: here, before any collective, task 1
+        # of the page's 2 tasks per node would use GPU 1 (task 0's) and then meet DDP in another communicator.
+        dist.barrier(group=HOST_GROUP[0])
     if data is None:
         data = read() or build()  # the cache folder may not be shared between nodes: build here then
     return data
@@ -843,14 +1005,33 @@ def check_save_path(path: str | None) -> None:
 
 
 def cpu_threads(launch: idr_torch.Launch) -> int:
-    """This task's share of the cores: its own when Slurm bound it, else the node's split between its tasks
-    (N tasks each using every core would oversubscribe the node)."""
+    """The cores this task really has (os.sched_getaffinity: what Slurm's task/affinity or cgroup left it), for its
+    intra-op threads and its DataLoader workers: its own cores when Slurm bound it, else the node's split between
+    its tasks (N tasks each using every core would oversubscribe the node). SLURM_CPUS_PER_TASK is what was asked,
+    not what the task got: srun 22.05 does not pass --cpus-per-task on to the step, so a plain `srun` in a
+    `-c 10 --hint=nomultithread` job binds each task to one core (measured on the test cluster's task/affinity
+    variant, tests/test_cpu_binding.py); say so once."""
     avail = len(os.sched_getaffinity(0))
     share = max(1, avail // launch.local_world_size)
     cpt = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
     if cpt.isdigit() and avail <= int(cpt):
+        if avail < int(cpt) and not _SAID_CORES:
+            _SAID_CORES.append(True)
+            log(f"notice: this task may run on {avail} core(s) but the job asked --cpus-per-task={cpt}: srun did "
+                "not pass it on to the step (Slurm 22.05); launch with `srun -c $SLURM_CPUS_PER_TASK ...` or "
+                "`export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK`")
         return avail  # bound to its own cores
     return min(int(cpt), share) if cpt.isdigit() else share
+
+
+_SAID_CORES: list = []
+
+
+def cpu_placement() -> dict:
+    """Where this task runs on the CPU, for the record: the cores it may use, as Slurm bound them."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"cpus": len(cores), "cpu_ids": cores, "threads": torch.get_num_threads(),
+            "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -895,7 +1076,7 @@ def save_checkpoint(path: str, model_state: dict, resume: dict) -> None:
     atomic_torch_save(dict(resume, model_sha256=file_digest(target)), resume_file(target))
 
 
-def save_progress(cfg: argparse.Namespace, trainer: Replica, epoch: int, batch_in_epoch: int, step: int,
+def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batch_in_epoch: int, step: int,
                   world: int) -> None:
     """Every rank calls it (the RNG states, and the stage layout's consolidation, are collectives); rank 0
     writes --save and its companion. epoch: epochs fully done; batch_in_epoch: batches done in the next one."""
@@ -954,7 +1135,7 @@ def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None
     return state
 
 
-def resume_point(cfg: argparse.Namespace, trainer: Replica) -> tuple[int, int, int, dict | None]:
+def resume_point(cfg: argparse.Namespace, trainer: Trainer) -> tuple[int, int, int, dict | None]:
     """--load, or --resume's --save file if it exists, into the model on every rank (before DDP wraps it):
     (epoch, batch in that epoch, step, the companion), or a fresh start. A file without a companion (the
     page's own) gives the weights and a fresh optimizer, from epoch 0."""
@@ -1009,6 +1190,8 @@ class StopRequest:
 
 
 def reduce_max(values: list[float], device: str, world: int) -> list[float]:
+    """The largest of each value over the tasks. `device`: the stats device, the same part (the last, or the task's
+    one GPU) on every task, so on nccl every task meets in the communicator of that part, on its own GPU."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -1023,7 +1206,8 @@ def fingerprint(modules: list[nn.Module]) -> torch.Tensor:
 
 
 def divergence(fp: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> float:
-    """Largest difference of fingerprints between the replicas of `group`."""
+    """Largest difference of fingerprints between the replicas of `group`. `fp` is on the stats device (the same
+    part on every task: one communicator, each task on its own GPU)."""
     if size == 1:
         return 0.0
     everyone = [torch.empty_like(fp) for _ in range(size)]
@@ -1047,7 +1231,7 @@ class Epoch:
     first_batch_at: float | None = None
 
 
-def train(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, source: Path | None,
+def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, source: Path | None,
           cuda: bool) -> int:
     """Data, the resume point, DDP, then per epoch: train, stop if asked, evaluate, save; the record."""
     world, rank, dp = launch.size, launch.rank, trainer.dp_size
@@ -1086,10 +1270,11 @@ def train(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, s
     return 0
 
 
-def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Replica, launch: idr_torch.Launch,
+def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Trainer, launch: idr_torch.Launch,
                  cuda: bool) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
     dp = trainer.dp_size  # replicas that each see their own share of the data
-    workers = cfg.workers if cfg.workers >= 0 else (min(4, max(0, launch.cpus_per_task - 1)) if cuda else 0)
+    # workers from the cores the task really has (cpu_threads), not from what SLURM_CPUS_PER_TASK asked
+    workers = cfg.workers if cfg.workers >= 0 else (min(4, max(0, cpu_threads(launch) - 1)) if cuda else 0)
     train_loader = make_loader(data["train_x"], data["train_y"], cfg.batch_size, dp, trainer.dp_rank, True,
                                cfg.seed, workers, cuda)
     # the stage layout's schedules want every batch the same size: a short last test batch is dropped there
@@ -1101,7 +1286,7 @@ def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Replica, launch: 
     return train_loader, test_loader
 
 
-def train_epoch(cfg: argparse.Namespace, trainer: Replica, loader: torch.utils.data.DataLoader, epoch: int,
+def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.data.DataLoader, epoch: int,
                 skip: int, step: int, stop: StopRequest, world: int) -> Epoch:
     """One epoch from batch `skip` on (resumed inside this epoch: same sampler order, those are done)."""
     loader.sampler.sampler.set_epoch(epoch)
@@ -1130,16 +1315,16 @@ def train_epoch(cfg: argparse.Namespace, trainer: Replica, loader: torch.utils.d
     return ep
 
 
-def evaluate(trainer: Replica, loader: torch.utils.data.DataLoader, world: int) -> float:
+def evaluate(trainer: Trainer, loader: torch.utils.data.DataLoader, world: int) -> float:
     acc = torch.zeros(2, dtype=torch.float64, device=trainer.stats_device)
     for x, y in loader:
         acc += trainer.eval_step(x, y)
     if world > 1:
-        dist.all_reduce(acc)
+        dist.all_reduce(acc)  # on the stats device, as reduce_max: one communicator, each task on its own GPU
     return (acc[0] / acc[1].clamp(min=1)).item()
 
 
-def end_of_epoch(cfg: argparse.Namespace, trainer: Replica, test_loader: torch.utils.data.DataLoader, epoch: int,
+def end_of_epoch(cfg: argparse.Namespace, trainer: Trainer, test_loader: torch.utils.data.DataLoader, epoch: int,
                  ep: Epoch, world: int, cuda: bool) -> dict:
     """The epoch's figures (summed over the replicas), evaluation, one line; the row of the record."""
     trainer.synchronize()
@@ -1165,7 +1350,7 @@ def end_of_epoch(cfg: argparse.Namespace, trainer: Replica, test_loader: torch.u
     return row
 
 
-def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Replica, ep: Epoch, epoch: int, n_batches: int,
+def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Trainer, ep: Epoch, epoch: int, n_batches: int,
                         stop: StopRequest, world: int) -> int:
     """Every rank stopped at the same step: checkpoint where we are (mid-epoch too), exit 75 (requeue)."""
     done_all = ep.batches == n_batches
@@ -1177,7 +1362,7 @@ def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Replica, ep: Epoch, ep
     return StopRequest.EXIT_CODE
 
 
-def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, history: list[dict],
+def finish(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, history: list[dict],
            startup_s: float | None, cuda: bool) -> None:
     """The replica check, the summary line and the JSON record."""
     gap = trainer.divergence()

@@ -1,6 +1,7 @@
 """A real Slurm cluster on this one machine, for the test suite (Debian's slurm-wlm + munge, run as root).
 
     python tests/local_slurm.py start DIR     # writes DIR/env.sh (SLURM_CONF=...), prints it
+    python tests/local_slurm.py start DIR affinity   # the CPU-binding variant (below)
     python tests/local_slurm.py stop DIR      # stops the daemons by their pid files
 
 Layout (mirrors Jean Zay's V100 partitions):
@@ -13,10 +14,15 @@ Facts this relies on (slurm-wlm 22.05 on Debian bookworm):
   TaskPlugin=task/none launches steps;
 - fake GPUs must be character devices (mknod c 195 N) for Slurm to set CUDA_VISIBLE_DEVICES;
 - state persists between starts, so every start begins from a wiped state directory.
+
+The "affinity" variant binds CPUs as a production cluster does (TaskPlugin=task/affinity: each task may run only on
+the cores Slurm gave it). It needs nodes that advertise no more CPUs than this machine has, so its nodes
+(AFFINITY_PARTITIONS) have the machine's own count (2 here) and it runs without config_overrides.
 """
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,6 +34,12 @@ from pathlib import Path
 PARTITIONS = {  # name: (node names, GPUs per node, CPUs per node, features)
     "gpu_p13": (["node1", "node2", "node3"], 4, 40, "v100,v100-16g,v100-32g"),
     "gpu_p2": (["big1", "big2"], 8, 24, "v100,v100-32g"),
+}
+
+
+# the "affinity" variant's nodes: the machine's own CPUs each, and fake GPUs as on gpu_p13
+AFFINITY_PARTITIONS = {
+    "bind": (["bind1", "bind2"], 4, len(os.sched_getaffinity(0)), "v100,v100-32g"),
 }
 
 
@@ -52,10 +64,14 @@ def unavailable_reason() -> str | None:
 
 
 class LocalCluster:
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, variant: str = "default") -> None:
+        if variant not in ("default", "affinity"):
+            raise ValueError(f"variant {variant!r}: 'default' or 'affinity'")
         self.root = Path(root).resolve()
         self.conf = self.root / "etc" / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
+        self.variant = variant
+        self.partitions = AFFINITY_PARTITIONS if variant == "affinity" else PARTITIONS
 
     @property
     def env(self) -> dict[str, str]:
@@ -74,10 +90,10 @@ class LocalCluster:
             shutil.rmtree(self.root / sub, ignore_errors=True)
             (self.root / sub).mkdir(parents=True)
         self._start_munge()
-        nodes = [n for names, *_ in PARTITIONS.values() for n in names]
+        nodes = [n for names, *_ in self.partitions.values() for n in names]
         for n in nodes:
             (self.root / "state" / f"spool-{n}").mkdir()
-        for i in range(max(g for _, g, _, _ in PARTITIONS.values())):
+        for i in range(max(g for _, g, _, _ in self.partitions.values())):
             os.mknod(self.root / "dev" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(195, i))
         self._write_conf()
         self._add_hosts([n for n in nodes])
@@ -115,6 +131,9 @@ class LocalCluster:
         host = socket.gethostname()
         lines = [
             "ClusterName=kit",
+            # job ids (and so the trainers' derived MASTER_PORT, 10000 + job % 4000 * 5 + step % 5) apart from those
+            # of another test cluster running on this machine at the same time
+            f"FirstJobId={random.randrange(1, 4000) * 10}",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={free_port()}",
             "AuthType=auth/munge", "CredType=cred/munge",
@@ -128,16 +147,17 @@ class LocalCluster:
             f"SlurmdPidFile={r}/run/slurmd-%n.pid",
             f"SlurmctldLogFile={r}/log/slurmctld.log",
             f"SlurmdLogFile={r}/log/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "GresTypes=gpu", "SlurmdParameters=config_overrides",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/affinity" if self.variant == "affinity" else "TaskPlugin=task/none",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "GresTypes=gpu",
+            *(["SlurmdParameters=config_overrides"] if self.variant == "default" else []),
             "ReturnToService=2", "MpiDefault=none", "SwitchType=switch/none",
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none", "SchedulerType=sched/backfill",
             "MinJobAge=300", "KillWait=5", "InactiveLimit=0", "SlurmdTimeout=30", "MessageTimeout=20",
         ]
         gres = ["AutoDetect=off"]
-        for i, (part, (names, gpus, cpus, feats)) in enumerate(PARTITIONS.items()):
+        for i, (part, (names, gpus, cpus, feats)) in enumerate(self.partitions.items()):
             for n in names:
                 lines.append(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                              f"CPUs={cpus} Gres=gpu:{gpus} Features={feats} State=UNKNOWN")
@@ -216,9 +236,9 @@ def _alive(pid: int) -> bool:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("start", "stop"):
-        sys.exit(f"usage: {sys.argv[0]} start|stop DIR")
-    cluster = LocalCluster(sys.argv[2])
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("start", "stop"):
+        sys.exit(f"usage: {sys.argv[0]} start|stop DIR [default|affinity]")
+    cluster = LocalCluster(sys.argv[2], *sys.argv[3:])
     if sys.argv[1] == "start":
         try:
             cluster.start()
