@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import sys
 
 if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
     import check_topology
