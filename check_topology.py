@@ -780,6 +780,7 @@ CATCHES = {
     "gpus-per-task-cgroup": ("warning", "--gpus-per-task: per-task GPU cgroups hide NVLink from NCCL"),
     "gpu-bind-mask": ("warning", "--gpu-bind=mask_gpu, not modelled"),
     "gpu-bind-closest": ("warning", "--gpu-bind=closest, which depends on the node"),
+    "distribution-not-modelled": ("warning", "--distribution=arbitrary: which task runs where is not modelled"),
     # cores, time, account, modules (Jean Zay)
     "cpus-per-task-missing": ("warning", "--cpus-per-task missing (Jean Zay grants memory per core)"),
     "cpus-per-task-small": ("warning", "--cpus-per-task below the node's cores per GPU x GPUs per task"),
@@ -868,6 +869,7 @@ class Job:
     launches: list = field(default_factory=list)  # the script's other launch lines (LaunchLine), their layout
     sourced: list[str] = field(default_factory=list)  # files the script sources (not read)
     torch_version: str | None = None  # inside an allocation: the torch installed there
+    unplanned: str | None = None  # why nothing is planned (a count no node has): the findings say it all
 
 # The option tables of Slurm 22.05 (Debian bookworm's slurm-wlm): every option `man sbatch` / `man srun` list, with
 # r = takes a value, o = an optional value (only as --name=value), n = a flag; plus the undocumented aliases the real
@@ -1301,7 +1303,7 @@ def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, in
             nodes = -(-n // cap)
         else:
             nodes = 1
-        if n and not k:
+        if n and n > 1 and not k:
             findings.warn("nodes-missing", f"--nodes is not given: Slurm picks the node count for --ntasks={n}; "
                           f"assuming {nodes} node(s); add --nodes={nodes}")
         job.nodes = nodes
@@ -1386,7 +1388,7 @@ def step_placement(job: Job, findings: Findings, kit: bool = True) -> list[int]:
         return [1]
     placed = step_tasks_per_node(job, caps, ntasks, nodes, findings)
     if (job.step_ntasks is None and job.step_nodes is None) or job.placement == "possible":  # the job's shape
-        check_allocation_shape(job, caps, ntasks, findings)
+        check_allocation_shape(job, caps, ntasks, findings, kit)
     return placed
 
 
@@ -1438,8 +1440,11 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
     return [j_step] * m_step if j_step else spread(n_step, caps)
 
 
-def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings) -> None:
-    """The #SBATCH task counts: --ntasks-per-node missing, or a maximum because --ntasks asks fewer."""
+def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings,
+                           kit: bool = True) -> None:
+    """The #SBATCH task counts: --ntasks-per-node missing, or a maximum because --ntasks asks fewer. The warnings
+    about SLURM_NTASKS_PER_NODE are for the kit's trainer (the page's code reads it); the errors (tasks placed
+    unevenly) hold for any program."""
     n, k, nodes = job.ntasks, job.ntasks_per_node, job.nodes or 1
     if k and n is not None and n < nodes:
         findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: srun runs on {n} node(s) "
@@ -1452,12 +1457,14 @@ def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findin
                            f"--ntasks={n} with --nodes={nodes} x --ntasks-per-node={k} = {nodes * k}: "
                            f"--ntasks-per-node is then a maximum and srun places {','.join(map(str, placed))} "
                            f"(measured); set --ntasks={nodes * k} or drop --ntasks")
-        else:
+        elif kit:
             findings.warn("ntasks-per-node-max",
                           f"--ntasks={n} on {nodes} node(s) runs {placed[0]} task(s) per node, below "
                           f"--ntasks-per-node={k} (a maximum when --ntasks is given): SLURM_NTASKS_PER_NODE={k} then "
                           f"misleads the page's code; set --ntasks-per-node={placed[0]}")
     if k:
+        return
+    if not kit and (n is None or n == nodes or nodes == 1 or caps):
         return
     if n is None or n == nodes:
         findings.warn("ntasks-per-node-missing",
@@ -1508,6 +1515,14 @@ def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) 
                        f"--gres=gpu/--gpus-per-node', measured for --gres=gpu:2 --gpus=3); drop --gpus")
     if per_node is None and gpt:
         per_node = gpt * busiest
+    ntype = node_type(job)
+    full = JEAN_ZAY[ntype].gpus if ntype else None
+    if per_node is None and total and nodes > 1 and full and total == full * nodes:
+        per_node = full  # every node must give all its GPUs: Slurm has no choice (-N 2 --gpus=8 gave 4 and 4)
+    elif per_node is None and total and nodes > 1 and total < nodes:
+        findings.error("gpu-request-conflict", f"--gpus={total} on {nodes} nodes: sbatch refuses it ('Failed to "
+                       f"validate job spec, --gpus < -N', measured); ask for --gpus-per-node=N")
+        per_node = 1
     if per_node is None and total:
         if nodes > 1:
             even = total // nodes if total % nodes == 0 else None
@@ -1740,8 +1755,8 @@ def check_time(job: Job, findings: Findings) -> None:
         limit, name = t.qos_hours[level], f"the default QoS ({t.qos[0]}-{level})"
     elif not t.qos:
         limit, name = t.max_hours, f"{t.label.split(' (')[0]} ({t.partitions[0]})"
-    else:
-        return  # a QoS this table doesn't know: check_qos says so
+    else:  # a QoS of other nodes (check_qos says so): the longest these nodes have
+        limit, name = max(t.qos_hours.values()), f"the longest QoS of {t.label}"
     if minutes > limit * 60:
         longer = [q for q, h in t.qos_hours.items() if h * 60 >= minutes]
         findings.error("time-over-qos",
@@ -2451,6 +2466,14 @@ class ShellRun:
                          r"(?:(:?[-=+?])(.*))?\})", raw, re.S)
         if raw == "$":
             return self.known("$")
+        sliced = re.fullmatch(r"\$\{([@*])(?::(\d+))(?::(\d+))?\}", raw)  # ${@:2}, ${@:2:3}: positional slices
+        if sliced:
+            args = self.lookup(sliced.group(1))
+            if args is UNKNOWN:
+                return UNKNOWN
+            start = int(sliced.group(2)) - 1 if int(sliced.group(2)) else 0
+            end = start + int(sliced.group(3)) if sliced.group(3) else None
+            return Arr(args[max(0, start):end])
         if not m:
             return UNKNOWN  # $(command), `command`, <(...), ${X%pattern} ...
         if m.group(1):
@@ -3045,7 +3068,12 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     if not text.startswith("#!"):
         findings.error("no-shebang", f"{name}:1: the first line is not '#!' and an interpreter: sbatch refuses the "
                        "file ('This does not look like a batch script'); make line 1 '#!/bin/bash'")
+    if not text.strip():
+        raise UsageError(f"{path} is empty: nothing to check (sbatch refuses it too: 'Batch script is empty!')")
     first_command = read_directives(text, name, job, findings)
+    if any(f.code == "count-too-large" for f in findings):
+        job.unplanned = "a count no node has"
+        return job, training, findings
     check_option_conflicts(job, f"{name}", findings)
     ran: list[Ran] = []
     shell = ShellRun(batch_variables(job), ran.append)
@@ -3114,6 +3142,8 @@ def check_job(job: Job, training: Training) -> Report:
     """Plan every task of a request and check the whole. Without a kit trainer in the script (job.trainer None),
     only the Slurm and site layer: the request, the placement, each launch line's processes, Jean Zay's rules."""
     findings = Findings()
+    if job.unplanned:
+        return Report(job, training, [], findings, [f"nothing planned: {job.unplanned}"])
     if job.trainer is None:
         return check_other_program(job, training, findings)
     tasks_per_node = step_placement(job, findings)
@@ -3130,12 +3160,15 @@ def check_job(job: Job, training: Training) -> Report:
         training.nb_part = 1  # a task per GPU
     check_divisible(job, gpn, procs_per_node, training, findings)
     plans: list[TaskPlan] = []
+    ranks = task_ranks(job, procs_per_node, findings)
     for node, tasks in enumerate(procs_per_node):
         for local in range(tasks):
             visible = (agent_view if agent_view is not None else gpu_view(job, local, tasks, gpn, findings)) if gpn else []
             # under torchrun idr_torch knows no SLURM_GPUS_ON_NODE (launcher torchrun): the plan is the page's
-            plans.append(plan_task(len(plans), node, local, tasks, visible, None if job.workers is not None else gpn,
-                                   training.nlayers, training.nb_part, findings, training.devices))
+            plans.append(plan_task(ranks[node, local], node, local, tasks, visible,
+                                   None if job.workers is not None else gpn, training.nlayers, training.nb_part,
+                                   findings, training.devices))
+    plans.sort(key=lambda p: p.rank)
     _dedupe(findings)
     report = Report(job, training, plans, findings)
     check_kit(report, procs_per_node, gpn)
@@ -3146,6 +3179,28 @@ def check_job(job: Job, training: Training) -> Report:
         report.notes.append(f"placement: Slurm decides by free cores; the table shows one placement it may make "
                             f"({','.join(map(str, tasks_per_node))} task(s) per node)")
     return report
+
+
+def task_ranks(job: Job, per_node: list[int], findings: Findings) -> dict[tuple[int, int], int]:
+    """The global rank of each (node, local rank) as srun's --distribution numbers them (man srun -m): block (the
+    default) fills a node before the next, cyclic deals one task a node per round, plane=N deals N at a time.
+    torchrun numbers its workers node by node (block) whatever srun does."""
+    dist = (job.distribution or "block").lower() if job.workers is None else "block"
+    base = dist.split(":")[0].split(",")[0]
+    deal = 1 if base == "cyclic" else int(dist.split("=")[1]) if re.fullmatch(r"plane=\d+", base) and \
+        int(dist.split("=")[1]) > 0 else max(per_node) if base in ("block", "*", "") else None
+    if deal is None:
+        findings.warn("distribution-not-modelled", f"--distribution={job.distribution}: which task runs where is "
+                      "given by a node list here, not modelled; the plan numbers tasks node by node")
+        deal = max(per_node)
+    ranks, done, rank = {}, [0] * len(per_node), 0
+    while rank < sum(per_node):
+        for node, count in enumerate(per_node):
+            for _ in range(min(deal, count - done[node])):
+                ranks[node, done[node]] = rank
+                done[node] += 1
+                rank += 1
+    return ranks
 
 
 def check_kit(report: Report, procs_per_node: list[int], gpn: int | None) -> None:
@@ -3159,7 +3214,7 @@ def check_kit(report: Report, procs_per_node: list[int], gpn: int | None) -> Non
                        cpu=cpu)
     elif nb_parts:
         check_training(min(nb_parts), training, findings, cpu=cpu)
-        if not cpu:
+        if not cpu and not training.unchecked:  # a shell variable may hold any chunks: the bubble is unknown
             check_bubble(min(nb_parts), training, findings)
             line = check_memory(job, training, min(nb_parts), len(plans), max(procs_per_node), findings)
             report.notes += [line] if line else []
@@ -3376,7 +3431,9 @@ def launcher_layout(job: Job, launch: "LaunchLine", agents: list[int], gpn: int 
         if procs % machines:
             findings.error("launcher-nodes-mismatch", f"{where}: accelerate --num_processes={procs} is not a multiple "
                            f"of --num_machines={machines}: it starts {procs // machines} per machine and the world "
-                           f"size never adds up; use --num_processes={machines * max(1, procs // machines)}")
+                           f"size never adds up; use --num_processes={machines * (len(view) or procs // machines)}")
+            layout["processes_per_node"] = []
+            return layout
         workers, expected = max(1, procs // machines), machines
     if max(agents) > 1:
         findings.error("launcher-agents-per-node",
@@ -3903,6 +3960,16 @@ PLANNING = ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_tas
             "partition", "constraint")
 
 
+def planning_counts(args: argparse.Namespace) -> None:
+    """The planning flags' counts within what a node and Jean Zay have (COUNT_LIMITS), in one line."""
+    for name in ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_task", "cpus_per_task"):
+        flag = name.replace("_", "-")
+        value = getattr(args, name, None)
+        if value is not None and value > COUNT_LIMITS[flag]:
+            raise UsageError(f"--{flag} {value} is more than any Jean Zay node or partition has (the checker plans "
+                             f"up to {COUNT_LIMITS[flag]}); give what the nodes have")
+
+
 def override(args: argparse.Namespace, t: Training) -> Training:
     """The trainer's arguments given on the checker's command line, over those of the sbatch file's trainer line."""
     for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part", "layout", "pp", "schedule",
@@ -3939,6 +4006,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.gpu_mem is not None and args.gpu_mem <= 0:
             raise UsageError(f"--gpu-mem {args.gpu_mem:g} must be a positive number of GiB, e.g. --gpu-mem 32")
+        planning_counts(args)
         if args.advise:
             return advise_main(args, override(args, training))
         planning = any(getattr(args, k) is not None for k in PLANNING)

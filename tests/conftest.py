@@ -26,7 +26,7 @@ def skip_or_fail(reason: str, required_by: str) -> None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A real Slurm cluster (slurmctld, 5 slurmd, munged) started once, stopped at the end of the session."""
+    """A real Slurm cluster (slurmctld, one slurmd per node of local_slurm.PARTITIONS, munged) started once, stopped at the end of the session."""
     reason = unavailable_reason()
     if reason:
         skip_or_fail(reason, "KIT_REQUIRE_SLURM")

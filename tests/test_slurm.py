@@ -1,4 +1,4 @@
-"""Against a real Slurm cluster (slurmctld + 5 slurmd + munged on this machine, see local_slurm.py).
+"""Against a real Slurm cluster (slurmctld, a slurmd per node, munged on this machine, see local_slurm.py).
 
 The fake GPUs are character devices, so Slurm sets CUDA_VISIBLE_DEVICES as on a real node; they are not
 CUDA, so training runs on the CPU fallback (gloo) with the layout the GPUs would have had.
@@ -208,7 +208,7 @@ def test_sweep_runs_every_count_as_a_step_of_one_job(slurm_cluster, workdir):
 def test_cluster_stops_without_leftovers(tmp_path_factory):
     """A second cluster, started and stopped here: its daemons are gone and /etc/hosts is as before."""
     from conftest import skip_or_fail
-    from local_slurm import LocalCluster, unavailable_reason
+    from local_slurm import PARTITIONS, LocalCluster, unavailable_reason
     if unavailable_reason():
         skip_or_fail(unavailable_reason(), "KIT_REQUIRE_SLURM")
     import tempfile
@@ -216,7 +216,7 @@ def test_cluster_stops_without_leftovers(tmp_path_factory):
     cluster = LocalCluster(tempfile.mkdtemp(prefix="kit-slurm-2-"))
     cluster.start()
     pids = [int(p.read_text().split()[0]) for p in cluster._pidfiles()]
-    assert len(pids) == 6  # slurmctld + 5 slurmd
+    assert len(pids) == 1 + sum(len(names) for names, *_ in PARTITIONS.values())  # slurmctld + one slurmd a node
     cluster.stop()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
