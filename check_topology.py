@@ -864,6 +864,7 @@ class Job:
     step_cpus_per_task: int | None = None  # srun -c: 22.05's srun does not inherit the job's --cpus-per-task
     placement: str = "exact"  # "possible": Slurm decides by free cores; the plan shows one placement it may make
     options: dict[str, str | None] = field(default_factory=dict)  # every option the directives give, last value
+    option_lines: dict[str, str] = field(default_factory=dict)  # where each was given (file:line)
     trainer_line: "LaunchLine | None" = None  # the kit trainer's launch line, as bash runs it
     srun_cpus: bool = False  # its srun gets -c (or SRUN_CPUS_PER_TASK)
     launches: list = field(default_factory=list)  # the script's other launch lines (LaunchLine), their layout
@@ -1026,6 +1027,7 @@ def bounded(name: str, count: int, where: str, findings: Findings) -> int | None
     if limit is None or count <= limit:
         return count
     shown = str(count) if len(str(count)) <= 12 else f"{str(count)[:6]}...({len(str(count))} digits)"
+    shown = f"gpu:{shown}" if name == "gres" else shown
     findings.error("count-too-large", f"{where}: --{name}={shown} is more than any Jean Zay node or partition has "
                    f"(the checker plans up to {limit}); Slurm refuses it ('Requested node configuration is not "
                    f"available'): ask for what the nodes have")
@@ -1214,6 +1216,7 @@ def check_option_values(job: Job, options: list[tuple[str, str | None]], where: 
     for name, value in options:
         if record:
             job.options[name] = value
+            job.option_lines[name] = where
         if (value is not None and "$" in value) or name == "time":  # a variable: said once; bad-time: its own
             continue
         refused, misread = option_value_problem(name, value, prog)
@@ -1223,32 +1226,41 @@ def check_option_values(job: Job, options: list[tuple[str, str | None]], where: 
             findings.warn("value-misread", f"{where}: {misread}")
 
 
-def check_option_conflicts(job: Job, where: str, findings: Findings) -> None:
+def check_option_conflicts(job: Job, findings: Findings) -> None:
     """The pairs sbatch 22.05 refuses, or resolves by dropping one (src/common/slurm_opt.c
     validate_options_salloc_sbatch_srun, validate_hint_option; common/gres.c _job_state_validate)."""
     given = job.options
-    mem = [f"--{m}" for m in ("mem", "mem-per-cpu", "mem-per-gpu") if m in given]
+
+    def at(*names: str) -> str:  # the line of the last of them
+        lines = [job.option_lines[n] for n in names if n in job.option_lines]
+        return max(lines, key=lambda w: int(w.rpartition(":")[2]) if w.rpartition(":")[2].isdigit() else 0,
+                   default="the directives")
+
+    def shown(name: str) -> str:
+        return f"--{name}" + (f"={given[name]}" if given.get(name) is not None else "")
+    mem = [m for m in ("mem", "mem-per-cpu", "mem-per-gpu") if m in given]
     if len(mem) > 1:
-        findings.error("option-conflict", f"{where}: {' and '.join(mem)}: sbatch refuses them together ('--mem, "
-                       "--mem-per-cpu, and --mem-per-gpu are mutually exclusive'); keep one")
+        findings.error("option-conflict", f"{at(*mem)}: {' and '.join(map(shown, mem))}: sbatch refuses them "
+                       "together ('--mem, --mem-per-cpu, and --mem-per-gpu are mutually exclusive'); keep one")
     if "cpus-per-gpu" in given and "cpus-per-task" in given:
-        findings.error("option-conflict", f"{where}: --cpus-per-gpu={given['cpus-per-gpu']} with --cpus-per-task="
-                       f"{given['cpus-per-task']}: sbatch refuses the job ('--cpus-per-gpu is mutually exclusive "
+        findings.error("option-conflict", f"{at('cpus-per-gpu', 'cpus-per-task')}: {shown('cpus-per-gpu')} with "
+                       f"{shown('cpus-per-task')}: sbatch refuses the job ('--cpus-per-gpu is mutually exclusive "
                        "with --cpus-per-task'); keep --cpus-per-task (Jean Zay's examples use it)")
     if "ntasks-per-gpu" in given:
-        other = [f"--{o}" for o in ("ntasks-per-node", "gpus-per-task", "gpus-per-socket") if o in given]
+        other = [o for o in ("ntasks-per-node", "gpus-per-task", "gpus-per-socket") if o in given]
         if other:
-            findings.error("option-conflict", f"{where}: --ntasks-per-gpu with {', '.join(other)}: sbatch refuses "
-                           f"it ('{other[0]} is mutually exclusive with --ntasks-per-gpu'); keep one")
+            findings.error("option-conflict", f"{at('ntasks-per-gpu', *other)}: {shown('ntasks-per-gpu')} with "
+                           f"{', '.join(map(shown, other))}: sbatch refuses it ('--{other[0]} is mutually exclusive "
+                           "with --ntasks-per-gpu'); keep one")
     if "hint" in given:
-        other = [f"--{o}" for o in ("ntasks-per-core", "threads-per-core", "extra-node-info") if o in given]
+        other = [o for o in ("ntasks-per-core", "threads-per-core", "extra-node-info") if o in given]
         if other:
-            findings.warn("hint-ignored", f"{where}: --hint={given['hint']} with {', '.join(other)}: Slurm drops "
-                          f"the hint ('mutually exclusive with --hint ... Ignoring --hint'); keep --hint and remove "
-                          f"{other[0]}")
+            findings.warn("hint-ignored", f"{at('hint', *other)}: {shown('hint')} with {', '.join(map(shown, other))}"
+                          ": Slurm drops the hint ('mutually exclusive with --hint ... Ignoring --hint'); keep --hint "
+                          f"and remove --{other[0]}")
     if (given.get("distribution") or "").lower().startswith(("arbitrary", "hostfile")) and not (
             "nodelist" in given or "nodefile" in given):
-        findings.error("bad-value", f"{where}: --distribution={given['distribution']} needs the nodes listed "
+        findings.error("bad-value", f"{at('distribution')}: {shown('distribution')} needs the nodes listed "
                        "(-w/--nodelist or a hostfile): sbatch refuses it ('With Arbitrary distribution you need to "
                        "specify a nodelist')")
 
@@ -2842,14 +2854,15 @@ def find_launches(ran: Ran, name: str, findings: Findings, srun: list | None = N
     prog, env = os.path.basename(words[i]), ran.exported
     if prog == "srun" and srun is None:
         options, rest = parse_options(words[i + 1:], where, findings, prog="srun")
-        inner = Ran(rest, ran.env, ran.line, ran.conditional, ran.exported)
+        prefix = words[:len(words) - len(rest)]
+        inner = Ran(list(rest), ran.env, ran.line, ran.conditional, ran.exported)
         found = find_launches(inner, name, findings, options, per_task, shell)
         for launch in found:
-            launch.words[:0] = words[:len(words) - len(rest)]
-            launch.script += len(words) - len(rest)
+            launch.words = prefix + launch.words
+            launch.script += len(prefix)
         if found or not rest:
             return found
-        return [LaunchLine(where, words, len(words) - len(rest), "program", options, env=env, per_task=per_task)]
+        return [LaunchLine(where, words, len(prefix), "program", options, env=env, per_task=per_task)]
     if prog in ("bash", "sh", "dash", "zsh") and "-c" in words[i + 1:] and shell is not None:
         text = words[words.index("-c", i) + 1] if words.index("-c", i) + 1 < len(words) else ""
         found: list[LaunchLine] = []
@@ -3054,12 +3067,12 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
         findings.error("script-too-large", f"{name}: the script is larger than {MAX_SCRIPT_BYTES // 2 ** 20} MiB: "
                        "slurmctld refuses it ('Pathname of a file, directory or other parameter too long', measured "
                        "at 4.3 MB); keep data out of the script")
-        job.trainer = None
+        job.unplanned = "the script is too large for Slurm"
         return job, training, findings
     if "\0" in text:
         findings.error("not-a-script", f"{name}: the file holds NUL bytes (a binary file?): sbatch refuses it ('does "
                        "not allow scripts that contain a NULL character'); give the job script")
-        job.trainer = None
+        job.unplanned = "not a job script"
         return job, training, findings
     if "\r\n" in text:
         findings.error("dos-line-breaks", f"{name}: the file has DOS line breaks (\\r\\n): sbatch refuses it "
@@ -3074,7 +3087,7 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     if any(f.code == "count-too-large" for f in findings):
         job.unplanned = "a count no node has"
         return job, training, findings
-    check_option_conflicts(job, f"{name}", findings)
+    check_option_conflicts(job, findings)
     ran: list[Ran] = []
     shell = ShellRun(batch_variables(job), ran.append)
     launches: list[LaunchLine] = []
