@@ -1288,11 +1288,11 @@ def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
     binding; its own share with --gpus-per-task; the mapped ones with --gpu-bind=map_gpu."""
     everything = [str(i) for i in range(gpus_on_node)]
     bind = re.sub(r"^verbose,", "", (job.gpu_bind or "").lower())
-    if bind.startswith("map_gpu:"):
+    if bind.startswith("map_gpu:") and re.fullmatch(r"[0-9*,]+", bind.split(":", 1)[1]):
         ids = [x for x in bind.split(":", 1)[1].split(",") if x]
         entry = ids[local_rank % len(ids)]
         return [entry.split("*")[0]]
-    if bind.startswith("per_task:"):
+    if bind.startswith("per_task:") and bind.split(":", 1)[1].isdigit() and int(bind.split(":", 1)[1]) > 0:
         n = int(bind.split(":", 1)[1])
         return everything[local_rank * n:(local_rank + 1) * n]
     if bind in ("", "none") and job.gpus_per_task and bind != "none":

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 
@@ -98,7 +99,9 @@ def test_checker_plan_is_the_trainer_plan(tmp_path):
 
 
 def test_the_lane_runs_the_release_it_claims():
-    # the matrix's rows are keyed by this: a lane whose venv holds another torch would mislabel its row
+    """The matrix's rows are keyed by the release a venv claims: a lane's folder name (torch-<release>-<hash>), or
+    the Makefile's pin for the project's own .venv. A venv holding another torch would mislabel its row."""
     lane = sys.prefix.rsplit("/torch-", 1)
-    if len(lane) == 2:
-        assert lane[1].split("-")[0] == RELEASE, (sys.prefix, torch.__version__)
+    claimed = (lane[1].split("-")[0] if len(lane) == 2 else
+               re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1))
+    assert RELEASE == claimed, (sys.prefix, torch.__version__, claimed)

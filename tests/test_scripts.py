@@ -222,3 +222,29 @@ def test_a_pipe_is_read(tmp_path):
     out = limited(["/dev/stdin"], stdin=reader)
     os.close(reader)
     assert out.returncode == 0 and "training not checked" in out.stdout, out.stdout + out.stderr
+
+
+VALUES = ["", "0", "1", "4", "-1", "x", "2-3", "gpu:4", "gpu:x:2", "map_gpu:0,1", "per_task:2", "mask_gpu:0x3",
+          "cyclic", "plane=2", "USR1@60", "1:00:00", "abc@v100", "qos_gpu-t4", "a100", "v100-32g|h100", "$X",
+          "99999999999999999999", "closest", "none", "nomultithread", "END,FAIL", "100G"]
+
+
+@settings(max_examples=80 if os.environ.get("CI") == "true" else 400, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(sorted(ct.SBATCH_LONG)), st.sampled_from(VALUES)), max_size=6),
+       st.sampled_from(["srun python t.py", "srun -c 4 torchrun --nproc_per_node=gpu t.py",
+                        "python -m torch.distributed.run --nnodes 2:4 t.py", "srun python bench_ddp_transformer.py",
+                        "accelerate launch --num_processes 3 t.py", "deepspeed --num_nodes 3 t.py"]))
+def test_any_request_is_judged_without_crashing(tmp_path, options, launch):
+    """Whatever the options and values, one report: findings, never a traceback."""
+    script = tmp_path / "any.slurm"
+    script.write_text("#!/bin/bash\n" + "".join(f"#SBATCH --{n}={shlex_quote(v)}\n" if v else f"#SBATCH --{n}\n"
+                                                for n, v in options) + launch + "\n")
+    job, training, findings = ct.read_sbatch(script)
+    report = ct.check_job(job, training)
+    assert isinstance(report.text(), str) and json.dumps(report.as_dict())
+
+
+def shlex_quote(value: str) -> str:
+    import shlex
+    return shlex.quote(value)

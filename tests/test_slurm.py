@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import idr_torch
 from launch import ROOT, clean_env
 
 pytestmark = pytest.mark.slurm
@@ -118,12 +119,14 @@ def test_gpus_per_task_binding(slurm_cluster, workdir):
 
 # ---- uneven tasks per node ---------------------------------------------------------------------------------------
 def test_uneven_tasks_per_node_reported(slurm_cluster, workdir):
-    r = run(["srun", "-N3", "-n5", "--gres=gpu:4", "python", "check_topology.py", "--nlayers", "8"], slurm_cluster,
-            workdir)
+    """The step's own placement (task 0 prints SLURM_STEP_TASKS_PER_NODE) is the one the report names."""
+    r = run(["srun", "-N3", "-n5", "--gres=gpu:4", "bash", "-c", 'if [ "$SLURM_PROCID" = 0 ]; then echo '
+             '"STEP $SLURM_STEP_TASKS_PER_NODE"; fi; exec python check_topology.py --nlayers 8'], slurm_cluster, workdir)
     assert r.returncode == 1
     assert "uneven-tasks-per-node" in r.stdout
     m = re.search(r"tasks per node differ \(([\d,]+)\)", r.stdout)
-    assert m and sorted(map(int, m.group(1).split(","))) != [2, 2, 1][:0] and sum(map(int, m.group(1).split(","))) == 5
+    step = idr_torch.parse_tasks_per_node(re.search(r"^STEP (\S+)$", r.stdout, re.M).group(1))
+    assert m and list(map(int, m.group(1).split(","))) == step and sum(step) == 5 and len(set(step)) > 1, r.stdout
     script = workdir / "uneven.slurm"
     script.write_text("#!/bin/bash\n#SBATCH -N 3\n#SBATCH -n 5\n#SBATCH --gres=gpu:4\n"
                       "srun python bench_ddp_transformer.py --nlayers 8\n")
