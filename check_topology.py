@@ -3203,8 +3203,9 @@ def task_ranks(job: Job, per_node: list[int], findings: Findings) -> dict[tuple[
     deal = 1 if base == "cyclic" else int(dist.split("=")[1]) if re.fullmatch(r"plane=\d+", base) and \
         int(dist.split("=")[1]) > 0 else max(per_node) if base in ("block", "*", "") else None
     if deal is None:
-        findings.warn("distribution-not-modelled", f"--distribution={job.distribution}: which task runs where is "
-                      "given by a node list here, not modelled; the plan numbers tasks node by node")
+        findings.warn("distribution-not-modelled", f"{job.option_lines.get('distribution', 'srun')}: "
+                      f"--distribution={job.distribution}: which task runs where is given by a node list here, not "
+                      f"modelled; the plan numbers the {sum(per_node)} tasks node by node")
         deal = max(per_node)
     ranks, done, rank = {}, [0] * len(per_node), 0
     while rank < sum(per_node):
@@ -3378,14 +3379,12 @@ def layout_of_launch(job: Job, launch: "LaunchLine", gpn: int | None, findings: 
 
 def launcher_layout(job: Job, launch: "LaunchLine", agents: list[int], gpn: int | None, view: list[str],
                     findings: Findings) -> dict:
-    """The processes a launch line starts on each node and what each sees: srun's tasks, times the workers torchrun
-    (--nproc_per_node), deepspeed (--num_gpus, else every GPU it sees) or accelerate (--num_processes /
-    --num_machines) start per agent. Checks one agent per node, the node count the launcher expects, and one GPU
-    per process. What a launcher's own configuration file decides is not modelled, and said so."""
-    kind, opts, where = launch.launcher, launch.options, launch.where
-    notes: list[str] = []
+    """The processes a launch line starts on each node and what each sees: srun's tasks (agents), times the workers
+    each agent starts (LAUNCHER_WORKERS). Checks one agent per node, the node count the launcher expects, and one
+    GPU per process. What a launcher's own configuration file decides is not modelled, and said so in a note."""
+    kind, where = launch.launcher, launch.where
     layout = {"agents_per_node": list(agents), "processes_per_node": list(agents), "gpus_per_process": None,
-              "notes": notes}
+              "notes": []}
     if kind in ("python", "program"):
         layout["gpus_per_process"] = len(view) if gpn else 0
         if gpn and launch.srun is not None and max(agents) > gpn and kind == "python" and job.trainer not in TRAINERS:
@@ -3393,84 +3392,16 @@ def launcher_layout(job: Job, launch: "LaunchLine", agents: list[int], gpn: int 
                           f"a node with {gpn} GPU(s): tasks share GPUs (nccl refuses two ranks on one GPU: 'Duplicate "
                           f"GPU detected'); use --ntasks-per-node <= {gpn}")
         return layout
-    nodes_with_agents = len(agents)
-    if kind == "torchrun":
-        workers = workers_of(launch)
-        if workers == "gpu" and not gpn:
-            findings.error("no-gpus", f"{where}: torchrun --nproc_per_node=gpu needs GPUs (torch: 'Cuda is not "
-                           "available') and the job asks for none; give a count, or ask for GPUs")
-            layout["processes_per_node"] = []
-            return layout
-        if workers in ("gpu", "auto"):
-            workers = len(view) if gpn else node_cores(job)
-        elif workers == "cpu":
-            workers = node_cores(job)
-        expected = nodes_expected(opts.get("nnodes"), "standalone" in opts)
-        rank = opts.get("node-rank")
-        static = (opts.get("rdzv-backend") or "static") == "static"
-        if static and rank is not None and "$" not in rank and nodes_with_agents > 1:
-            findings.error("launcher-nodes-mismatch", f"{where}: every torchrun agent gets --node_rank={rank} (the "
-                           f"batch shell expanded it once, before srun), so the {nodes_with_agents} agents claim the "
-                           "same node rank; let each task expand it: srun bash -c 'torchrun --node_rank "
-                           "$SLURM_NODEID ...', or use --rdzv_backend=c10d")
-    elif kind == "deepspeed":
-        if "hostfile" in opts or "include" in opts or (opts.get("launcher") or "pdsh").lower() != "pdsh":
-            notes.append(f"{where}: deepspeed with {'a hostfile' if 'hostfile' in opts else '--include/--launcher'}"
-                         ": the nodes and processes it starts come from there, not modelled")
-            layout["processes_per_node"] = []
-            return layout
-        count = opts.get("num-gpus") or opts.get("num-accelerators")
-        workers = int(count) if count and count.isdigit() and int(count) > 0 else (len(view) if gpn else None)
-        expected = int(opts["num-nodes"]) if (opts.get("num-nodes") or "").isdigit() else None
-        if expected and expected > 1:
-            findings.error("launcher-nodes-mismatch", f"{where}: deepspeed --num_nodes={expected} without a hostfile: "
-                           "it refuses to start ('Num nodes is >1 but no extra nodes available via hostfile'); give "
-                           "it a hostfile of the job's nodes, or launch one per node with srun and torchrun")
-            expected = None
-        elif nodes_with_agents > 1 and "no-ssh" not in opts:
-            findings.error("launcher-nodes-mismatch", f"{where}: srun starts deepspeed on {nodes_with_agents} nodes "
-                           "without a hostfile: each one runs its own single-node training (master 127.0.0.1), "
-                           f"{nodes_with_agents} separate jobs; give deepspeed a hostfile and start it once, or use "
-                           "srun with torchrun")
-    else:  # accelerate launch
-        procs, machines = opts.get("num-processes"), opts.get("num-machines") or "1"
-        if procs is None or "$" in procs or "$" in machines or not procs.isdigit() or not machines.isdigit():
-            notes.append(f"{where}: accelerate launch without a known --num_processes"
-                         + (f" (--config_file {opts['config-file']})" if opts.get("config-file") else "")
-                         + ": its configuration file decides the processes, not modelled")
-            layout["processes_per_node"] = []
-            return layout
-        procs, machines = int(procs), max(1, int(machines))
-        if procs % machines:
-            findings.error("launcher-nodes-mismatch", f"{where}: accelerate --num_processes={procs} is not a multiple "
-                           f"of --num_machines={machines}: it starts {procs // machines} per machine and the world "
-                           f"size never adds up; use --num_processes={machines * (len(view) or procs // machines)}")
-            layout["processes_per_node"] = []
-            return layout
-        workers, expected = max(1, procs // machines), machines
-    if max(agents) > 1:
-        findings.error("launcher-agents-per-node",
-                       f"{where}: srun starts {max(agents)} {kind} agents per node (one per task), each starting its "
-                       f"own workers: they race for the rendezvous and some die (measured with torchrun: "
-                       f"RendezvousConnectionError); start one per node: srun --ntasks-per-node=1 (or -n "
-                       f"{nodes_with_agents}) {kind} ...")
-    low, high = expected if isinstance(expected, tuple) else (expected, expected)
-    if low is not None and not low <= nodes_with_agents <= high:
-        expected = low if nodes_with_agents < low else high
-        how = "srun starts it on" if launch.srun is not None else "the batch script starts it once, on"
-        findings.error("launcher-nodes-mismatch",
-                       f"{where}: {kind} expects {expected} node(s) ({'--nnodes' if kind == 'torchrun' else '--num_machines'}) "
-                       f"but {how} {nodes_with_agents}: " + ("the rendezvous waits for agents that never come, until "
-                       "its timeout" if expected > nodes_with_agents else "the extra agents are refused")
-                       + (f"; start one per node with srun --ntasks-per-node=1 on --nodes={expected}"
-                          if launch.srun is None else f"; make them agree (--nodes={expected}, or the launcher's "
-                          f"count = {nodes_with_agents})"))
-    if workers is None:
-        notes.append(f"{where}: {kind}'s processes per node are given by a shell variable: not checked")
+    workers, expected = LAUNCHER_WORKERS[kind](job, launch, len(agents), gpn, view, layout, findings)
+    if workers is False:  # refused, or decided by a file: said already
         layout["processes_per_node"] = []
         return layout
-    per_node = [workers] * nodes_with_agents
-    layout.update(processes_per_node=per_node, gpus_per_process=1 if gpn else 0)
+    check_agents(launch, agents, expected, findings)
+    if workers is None:
+        layout["notes"].append(f"{where}: {kind}'s processes per node are given by a shell variable: not checked")
+        layout["processes_per_node"] = []
+        return layout
+    layout.update(processes_per_node=[workers] * len(agents), gpus_per_process=1 if gpn else 0)
     if gpn and workers > len(view):
         findings.error("processes-exceed-gpus", f"{where}: {kind} starts {workers} processes per node for the "
                        f"{len(view)} GPU(s) they see: two processes on one GPU (nccl refuses it: 'Duplicate GPU "
@@ -3480,6 +3411,100 @@ def launcher_layout(job: Job, launch: "LaunchLine", agents: list[int], gpn: int 
                       f"they see: {len(view) - workers} GPU(s) per node stay idle (one GPU per process); start "
                       f"{len(view)}, or ask for {workers} GPU(s) per node")
     return layout
+
+
+def check_agents(launch: "LaunchLine", agents: list[int], expected: tuple[int, int] | None,
+                 findings: Findings) -> None:
+    """One agent per node, and as many nodes as the launcher waits for (torchrun --nnodes MIN:MAX, accelerate
+    --num_machines)."""
+    kind, where, nodes = launch.launcher, launch.where, len(agents)
+    if max(agents) > 1:
+        findings.error("launcher-agents-per-node",
+                       f"{where}: srun starts {max(agents)} {kind} agents per node (one per task), each starting its "
+                       f"own workers: they race for the rendezvous and some die (measured with torchrun: "
+                       f"RendezvousConnectionError); start one per node: srun --ntasks-per-node=1 (or -n "
+                       f"{nodes}) {kind} ...")
+    if expected is None or expected[0] <= nodes <= expected[1]:
+        return
+    want = expected[0] if nodes < expected[0] else expected[1]
+    how = "srun starts it on" if launch.srun is not None else "the batch script starts it once, on"
+    findings.error("launcher-nodes-mismatch",
+                   f"{where}: {kind} expects {want} node(s) ({'--nnodes' if kind == 'torchrun' else '--num_machines'}) "
+                   f"but {how} {nodes}: " + ("the rendezvous waits for agents that never come, until its timeout"
+                                             if want > nodes else "the extra agents are refused")
+                   + (f"; start one per node with srun --ntasks-per-node=1 on --nodes={want}" if launch.srun is None
+                      else f"; make them agree (--nodes={want}, or the launcher's count = {nodes})"))
+
+
+def torchrun_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | None, view: list[str], layout: dict,
+                     findings: Findings):
+    """torchrun's --nproc_per_node (default 1; 'gpu' and 'auto': the GPUs the agent sees, torch/distributed/run.py
+    determine_local_world_size) and --nnodes (default 1:1; --standalone: 1); a --node_rank the batch shell expanded
+    once gives every agent the same rank in a static rendezvous."""
+    opts, where = launch.options, launch.where
+    workers = workers_of(launch)
+    if workers == "gpu" and not gpn:
+        findings.error("no-gpus", f"{where}: torchrun --nproc_per_node=gpu needs GPUs (torch: 'Cuda is not "
+                       "available') and the job asks for none; give a count, or ask for GPUs")
+        return False, None
+    if workers in ("gpu", "auto"):
+        workers = len(view) if gpn else node_cores(job)
+    elif workers == "cpu":
+        workers = node_cores(job)
+    rank, static = opts.get("node-rank"), (opts.get("rdzv-backend") or "static") == "static"
+    if static and rank is not None and "$" not in rank and nodes > 1:
+        findings.error("launcher-nodes-mismatch", f"{where}: every torchrun agent gets --node_rank={rank} (the batch "
+                       f"shell expanded it once, before srun), so the {nodes} agents claim the same node rank; let "
+                       "each task expand it: srun bash -c 'torchrun --node_rank $SLURM_NODEID ...', or use "
+                       "--rdzv_backend=c10d")
+    return workers, nodes_expected(opts.get("nnodes"), "standalone" in opts)
+
+
+def deepspeed_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | None, view: list[str], layout: dict,
+                      findings: Findings):
+    """deepspeed without a hostfile runs on its own node: --num_gpus, else every GPU it sees; --num_nodes > 1 is
+    refused there (deepspeed/launcher/runner.py). A hostfile, --include or another --launcher decide themselves."""
+    opts, where = launch.options, launch.where
+    if "hostfile" in opts or "include" in opts or (opts.get("launcher") or "pdsh").lower() != "pdsh":
+        given = "a hostfile" if "hostfile" in opts else "--include or --launcher"
+        layout["notes"].append(f"{where}: deepspeed with {given}: the nodes and processes it starts come from there, "
+                               "not modelled")
+        return False, None
+    count = opts.get("num-gpus") or opts.get("num-accelerators")
+    workers = int(count) if count and count.isdigit() and int(count) > 0 else (len(view) if gpn else None)
+    asked = int(opts["num-nodes"]) if (opts.get("num-nodes") or "").isdigit() else None
+    if asked and asked > 1:
+        findings.error("launcher-nodes-mismatch", f"{where}: deepspeed --num_nodes={asked} without a hostfile: it "
+                       "refuses to start ('Num nodes is >1 but no extra nodes available via hostfile'); give it a "
+                       "hostfile of the job's nodes, or launch one per node with srun and torchrun")
+    elif nodes > 1 and "no-ssh" not in opts:
+        findings.error("launcher-nodes-mismatch", f"{where}: srun starts deepspeed on {nodes} nodes without a "
+                       f"hostfile: each one runs its own single-node training (master 127.0.0.1), {nodes} separate "
+                       "jobs; give deepspeed a hostfile and start it once, or use srun with torchrun")
+    return workers, None
+
+
+def accelerate_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | None, view: list[str], layout: dict,
+                       findings: Findings):
+    """accelerate launch: --num_processes over --num_machines machines (accelerate/commands/launch.py gives each
+    machine num_processes // num_machines); without --num_processes its configuration file decides."""
+    opts, where = launch.options, launch.where
+    procs, machines = opts.get("num-processes"), opts.get("num-machines") or "1"
+    if not (procs or "").isdigit() or not machines.isdigit():
+        layout["notes"].append(f"{where}: accelerate launch without a known --num_processes"
+                               + (f" (--config_file {opts['config-file']})" if opts.get("config-file") else "")
+                               + ": its configuration file decides the processes, not modelled")
+        return False, None
+    procs, machines = int(procs), max(1, int(machines))
+    if procs % machines:
+        findings.error("launcher-nodes-mismatch", f"{where}: accelerate --num_processes={procs} is not a multiple of "
+                       f"--num_machines={machines}: it starts {procs // machines} per machine and the world size "
+                       f"never adds up; use --num_processes={machines * (len(view) or procs // machines)}")
+        return False, None
+    return max(1, procs // machines), (machines, machines)
+
+
+LAUNCHER_WORKERS = {"torchrun": torchrun_workers, "deepspeed": deepspeed_workers, "accelerate": accelerate_workers}
 
 
 def nodes_expected(nnodes: str | None, standalone: bool) -> tuple[int, int] | None:
