@@ -195,7 +195,7 @@ class TaskPlan:
     tasks_on_node: int
     nb_part: int
     devices: list[int]  # index passed to .to(cuda:i) for each part: first_part .. last_part (empty on CPU)
-    gpu_ids: list[str]  # the node's GPU ids behind those indices (what nvidia-smi calls them)
+    node_gpus: list[str]  # the node's GPUs behind those indices, as Slurm and nvidia-smi number them
     bound: bool  # Slurm showed this task only its own GPUs
     nlayers: int
     cpu: bool = False
@@ -3545,7 +3545,7 @@ def check_node_usage(report: Report) -> None:
     for node, plans in sorted(by_node.items()):
         owners: dict[str, list[int]] = {}
         for p in plans:
-            for g in dict.fromkeys(p.gpu_ids):  # a task's own parts may share a GPU (--devices 0,0)
+            for g in dict.fromkeys(p.node_gpus):  # a task's own parts may share a GPU (--devices 0,0)
                 owners.setdefault(g, []).append(p.rank)
         shared = {g: r for g, r in owners.items() if len(r) > 1}
         if shared:
@@ -3557,7 +3557,7 @@ def check_node_usage(report: Report) -> None:
             report.findings.error("gpu-shared",
                                   f"node {node}: GPU {g} is used by tasks {', '.join(map(str, r))} "
                                   f"({len(shared)} GPU(s) shared in all); {fix}")
-        if gpn and any(p.gpu_ids for p in plans) and not any(f.code == "gpus-not-divisible"
+        if gpn and any(p.node_gpus for p in plans) and not any(f.code == "gpus-not-divisible"
                                                              for f in report.findings):
             idle = [str(i) for i in range(gpn) if str(i) not in owners]
             if idle:
@@ -3737,7 +3737,7 @@ class Report:
                 if shown >= 16 and len(self.tasks) > 20:
                     lines.append(f"  ... {len(self.tasks) - shown} more task(s); --json lists them all")
                     break
-                gpus = ",".join(p.gpu_ids) if p.gpu_ids else ("cpu" if p.cpu else "-")
+                gpus = ",".join(p.node_gpus) if p.node_gpus else ("cpu" if p.cpu else "-")
                 idx = ",".join(map(str, p.devices)) if p.devices else "-"
                 if t.layout == "stage" and t.pp >= 2:  # a GPU per task, holding its stage(s) of a pipeline
                     v = stages_per_rank(t.schedule, t.virtual_stages)

@@ -26,7 +26,7 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 # ---- the page's two configurations ----------------------------------------------------------------------------
 def pairs(report: ct.Report) -> list[tuple[int, int, tuple[str, ...]]]:
-    return [(p.node, p.local_rank, tuple(p.gpu_ids)) for p in report.tasks]
+    return [(p.node, p.local_rank, tuple(p.node_gpus)) for p in report.tasks]
 
 
 def test_page_three_nodes_four_gpus_two_tasks():
@@ -45,7 +45,7 @@ def test_page_two_nodes_eight_gpus_four_tasks():
     assert report.ok and not report.findings, [str(f) for f in report.findings]
     assert len(report.tasks) == 8
     expect = [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
-    assert [p.gpu_ids for p in report.tasks] == [list(e) for e in expect] * 2
+    assert [p.node_gpus for p in report.tasks] == [list(e) for e in expect] * 2
     assert [p.devices for p in report.tasks] == [[0, 1], [2, 3], [4, 5], [6, 7]] * 2
 
 
@@ -170,7 +170,7 @@ def test_plan_page_indexing_when_all_gpus_visible():
 def test_plan_starts_at_zero_when_bound_per_task():
     # --gpus-per-task=2: task 1 sees CUDA_VISIBLE_DEVICES=2,3, i.e. cuda:0 and cuda:1 (seen on the test cluster)
     plan = ct.plan_task(1, 0, 1, 2, ["2", "3"], 4, nlayers=8)
-    assert (plan.nb_part, plan.devices, plan.gpu_ids, plan.bound) == (2, [0, 1], ["2", "3"], True)
+    assert (plan.nb_part, plan.devices, plan.node_gpus, plan.bound) == (2, [0, 1], ["2", "3"], True)
     assert ct.page_indexing(1, 2, 2) == (1, 1, 1)  # the page would use 1 GPU of 2
 
 
@@ -579,7 +579,7 @@ def test_cpu_defaults_are_the_trainers():
 def test_devices_put_two_parts_on_one_gpu():
     findings = ct.Findings()
     plan = ct.plan_task(0, 0, 0, 1, ["0"], 1, 4, 2, findings, devices=[0, 0])
-    assert (plan.nb_part, plan.devices, plan.gpu_ids) == (2, [0, 0], ["0", "0"])
+    assert (plan.nb_part, plan.devices, plan.node_gpus) == (2, [0, 0], ["0", "0"])
     assert [f.code for f in findings] == ["parts-share-gpu"] and "GPU 0" in findings[0].message
 
 

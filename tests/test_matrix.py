@@ -93,9 +93,9 @@ def test_checker_plan_is_the_trainer_plan(tmp_path):
                        str(out)], envs(), timeout=240)
     assert all(r.returncode == 0 for r in train), train[0].stderr[-3000:]
     [record] = [json.loads(line) for line in out.read_text().splitlines()]
-    checker = [(t["gpu_ids"], t["nb_part"]) for t in report["tasks"]]
+    checker = [(t["node_gpus"], t["nb_part"]) for t in report["tasks"]]
     assert checker == [(["0", "1"], 2), (["2", "3"], 2)] * 2  # the page's split of 4 GPUs between 2 tasks
-    assert [(p["gpu_ids"], p["nb_part"]) for p in record["plans"]] == checker
+    assert [(p["node_gpus"], p["nb_part"]) for p in record["plans"]] == checker
 
 
 def test_the_lane_runs_the_release_it_claims():

@@ -80,7 +80,7 @@ def test_page_three_node_template_runs(slurm_cluster, workdir):
     [record] = [json.loads(line) for line in (workdir / "hybrid_results.jsonl").read_text().splitlines()]
     assert (record["world_size"], record["nodes"], record["nb_part"], record["tasks_per_node"]) == (6, 3, 2, 2)
     assert record["replica_divergence"] == 0.0
-    assert [p["gpu_ids"] for p in record["plans"]] == [["0", "1"], ["2", "3"]] * 3
+    assert [p["node_gpus"] for p in record["plans"]] == [["0", "1"], ["2", "3"]] * 3
     assert [p["node"] for p in record["plans"]] == [0, 0, 1, 1, 2, 2]
     # the checkpoint: one file, written by rank 0 only (once per epoch, atomically)
     assert sorted(p.name for p in workdir.glob("*hybrid_3x4*.pt*")) == ["hybrid_3x4.pt", "hybrid_3x4.pt.resume.pt"]
@@ -94,7 +94,7 @@ def test_page_eight_gpu_template_preflight_in_allocation(slurm_cluster, workdir)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout[r.stdout.index("{"):])
     assert report["ok"] and len(report["tasks"]) == 8
-    assert [t["gpu_ids"] for t in report["tasks"]] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]] * 2
+    assert [t["node_gpus"] for t in report["tasks"]] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]] * 2
     assert [t["devices"] for t in report["tasks"]] == [[0, 1], [2, 3], [4, 5], [6, 7]] * 2
 
 
@@ -104,7 +104,7 @@ def test_gpus_per_task_binding(slurm_cluster, workdir):
     r = run([*common, "python", "check_topology.py", "--nlayers", "4", "--json"], slurm_cluster, workdir)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout[r.stdout.index("{"):])
-    assert [t["gpu_ids"] for t in report["tasks"]] == [["0", "1"], ["2", "3"]] * 2  # what Slurm showed each task
+    assert [t["node_gpus"] for t in report["tasks"]] == [["0", "1"], ["2", "3"]] * 2  # what Slurm showed each task
     assert [t["devices"] for t in report["tasks"]] == [[0, 1]] * 4  # from visible GPU 0, never past 2
     assert all(t["bound"] for t in report["tasks"])
     assert any("the page's own indexing" in n for n in report["notes"])
@@ -113,8 +113,8 @@ def test_gpus_per_task_binding(slurm_cluster, workdir):
             timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     [record] = [json.loads(line) for line in (workdir / "bound.jsonl").read_text().splitlines()]
-    trainer = [(p["gpu_ids"], p["nb_part"]) for p in record["plans"]]
-    assert trainer == [(t["gpu_ids"], t["nb_part"]) for t in report["tasks"]]
+    trainer = [(p["node_gpus"], p["nb_part"]) for p in record["plans"]]
+    assert trainer == [(t["node_gpus"], t["nb_part"]) for t in report["tasks"]]
 
 
 # ---- uneven tasks per node ---------------------------------------------------------------------------------------
