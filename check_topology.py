@@ -2,6 +2,7 @@
 """Pre-flight check of a hybrid pipeline + data parallel job, and the plan the trainer runs.
 
     python check_topology.py slurm/page_3nodes_4gpus.slurm        # before sbatch: #SBATCH header + srun line
+    python check_topology.py their_megatron_job.slurm             # any job script: the Slurm and Jean Zay layer
     python check_topology.py --nodes 3 --gpus-per-node 4 --ntasks-per-node 2 --nlayers 8    # planning
     python check_topology.py --nlayers 8 --chunks 4                # in a batch script: the allocation itself
     srun python check_topology.py --nlayers 8 --chunks 4           # every task checks what it really sees
@@ -20,9 +21,12 @@ One file, in two parts, because users copy it next to the trainers and both trai
   Part I   the plan the trainers import (their `__all__`): I.1 arguments and defaults, I.2 the layer split,
            I.3 this task's GPUs, I.4 memory, I.5 what each torch release can run, I.6 the trainers' checks of
            their arguments. The trainers call these very functions, so their refusals are the checker's findings.
-  Part II  the pre-flight checker: II.1 what it catches, II.2 Slurm 22.05 (option tables and placement: a port
-           to a newer Slurm touches this block), II.3 Jean Zay, II.4 reading a job script, II.5 checking a job,
-           II.6 the report, II.7 inside an allocation, II.8 the command line.
+  Part II  the pre-flight checker: II.1 what it catches, II.2 Slurm 22.05 (the request, the option tables, the
+           option values sbatch checks, the placement of tasks and GPUs: a port to a newer Slurm touches this
+           block), II.3 Jean Zay in one table, II.4 reading a job script (the file, sbatch's directives, bash's
+           commands, the launch lines), II.5 checking a job (the kit's trainer in depth, any other program at the
+           Slurm and site level), II.6 the report, II.7 inside an allocation (the same checks), II.8 the command
+           line. How it reads scripts, and the sources of its rules: docs/checker.md.
 """
 from __future__ import annotations
 
@@ -826,7 +830,7 @@ CATCHES = {
 }
 
 
-# ---- II.2 Slurm 22.05: the request, the option tables, the placement of tasks and GPUs -------------------------------
+# ---- II.2 Slurm 22.05: the request, the option tables and values, the placement of tasks and GPUs --------------------
 
 @dataclass
 class Job:
@@ -1269,18 +1273,22 @@ def time_minutes(value: str) -> float | None:
     """A Slurm time (man sbatch: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
     days-hours:minutes:seconds) in minutes; None when it is none of those."""
     v = value.strip()
-    if v.upper() in ("UNLIMITED", "INFINITE"):
+    if v.upper() in ("UNLIMITED", "INFINITE", "-1", "0"):  # time_str2mins: -1 and 0 mean no limit too
         return float("inf")
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", v)
     if not m:
         return None
     d, a, b, c = m.groups()
     if d is not None:
-        return int(d) * 1440 + int(a) * 60 + int(b or 0) + int(c or 0) / 60
-    if c is not None:
-        return int(a) * 60 + int(b) + int(c) / 60
-    return int(a) + int(b or 0) / 60
+        minutes = int(d) * 1440 + int(a) * 60 + int(b or 0) + int(c or 0) / 60
+    elif c is not None:
+        minutes = int(a) * 60 + int(b) + int(c) / 60
+    else:
+        minutes = int(a) + int(b or 0) / 60
+    return minutes or float("inf")  # arg_set_time_limit: a limit of 0 minutes is no limit
 
+
+# -- the placement: where Slurm puts the tasks and which GPUs each sees (measured on the test cluster) --
 
 def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
              findings: Findings) -> list[str]:
@@ -1775,7 +1783,7 @@ def check_time(job: Job, findings: Findings) -> None:
                        f"--time={job.time} ({shown}) is over the {limit:g} h of {name}: Slurm won't run the job; "
                        + (f"add --qos={t.qos[0]}-{longer[0]} (up to {t.qos_hours[longer[0]]} h)" if longer else
                           f"use --time <= {max(list(t.qos_hours.values()) or [t.max_hours]):g}:00:00 and resume from "
-                          "a checkpoint" + (" (these nodes have no longer QoS)" if t.qos else "")))
+                          "a checkpoint"))
 
 
 def check_jean_zay(job: Job, findings: Findings, gpus_asked: int | None = None,
