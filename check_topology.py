@@ -2985,9 +2985,7 @@ def read_trainer_line(launch: "LaunchLine", script: str, where: str, job: Job, t
         job.workers = workers_of(launch)
         if job.workers is None:
             job.workers = 1
-            findings.warn("unchecked-argument", f"{where}: torchrun --nproc_per_node="
-                          f"{launch.options.get('nproc-per-node')} is a shell variable: the processes per node are "
-                          "not checked (planned as 1)")
+            training.unchecked.append(f"{where}: torchrun --nproc_per_node {launch.options.get('nproc-per-node')}")
     elif launch.launcher in ("deepspeed", "accelerate"):
         findings.warn("launcher-not-modelled", f"{where}: the kit's trainer under {launch.launcher}: its processes "
                       "are planned as srun's tasks; start it with srun or torchrun, as the templates do")
@@ -3285,7 +3283,10 @@ def torchrun_processes(job: Job, agents_per_node: list[int], gpn: int | None,
     launch = job.trainer_line
     view = gpu_view(job, 0, agents_per_node[0], gpn, findings) if gpn else []
     layout = launcher_layout(job, launch, agents_per_node, gpn, view, findings)
-    return layout["processes_per_node"], view
+    # with several agents on a node only one wins the rendezvous (launcher-agents-per-node says so): plan that one
+    per_node = [p // a for p, a in zip(layout["processes_per_node"], agents_per_node)]
+    fallback = job.workers if isinstance(job.workers, int) else 1  # a count this reading can't know: one
+    return per_node or [fallback] * len(agents_per_node), view
 
 
 def check_gpus_fit(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
@@ -3409,7 +3410,7 @@ def launcher_layout(job: Job, launch: "LaunchLine", agents: list[int], gpn: int 
         layout["notes"].append(f"{where}: {kind}'s processes per node are given by a shell variable: not checked")
         layout["processes_per_node"] = []
         return layout
-    layout.update(processes_per_node=[workers] * len(agents), gpus_per_process=1 if gpn else 0)
+    layout.update(processes_per_node=[workers * a for a in agents], gpus_per_process=1 if gpn else 0)
     if gpn and workers > len(view):
         findings.error("processes-exceed-gpus", f"{where}: {kind} starts {workers} processes per node for the "
                        f"{len(view)} GPU(s) they see: two processes on one GPU (nccl refuses it: 'Duplicate GPU "
@@ -3758,6 +3759,10 @@ class Report:
                                        for i, c in enumerate(p.contents)) if p.nb_part else "-"
                 lines.append(f"  {p.rank:>4} {p.node:>4} {p.local_rank:>5}  {gpus:16} {idx:14} {parts}")
                 shown += 1
+        if not self.tasks and j.trainer is None and not j.unplanned:
+            lines.append(f"  {j.nodes or 1} node(s) x {j.gpus_per_node or 0} GPU(s)"
+                         + (f", {j.ntasks_per_node} task(s) per node" if j.ntasks_per_node else "")
+                         + (f", {j.cpus_per_task} CPU(s) per task" if j.cpus_per_task else ""))
         for x in j.launches if not self.tasks else []:
             lay = x.layout
             if lay.get("processes_per_node"):
