@@ -3262,8 +3262,8 @@ def check_steps_cpus(job: Job, findings: Findings) -> None:
         return
     lines = [job.trainer_line.where] if job.trainer_line and job.srun and not job.srun_cpus else []
     for launch in job.launches:
-        if launch.srun is not None and not ("SRUN_CPUS_PER_TASK" in launch.env or any(
-                n == "cpus-per-task" for n, _ in launch.srun)):
+        if launch.srun is not None and launch.program not in SMALL_STEPS and not (
+                "SRUN_CPUS_PER_TASK" in launch.env or any(n == "cpus-per-task" for n, _ in launch.srun)):
             lines.append(launch.where)
     if lines:
         lines = sorted(dict.fromkeys(lines), key=lambda w: int(w.rpartition(":")[2]))
@@ -3273,6 +3273,11 @@ def check_steps_cpus(job: Job, findings: Findings) -> None:
                       "CPUs are bound (its DataLoader workers and threads share it) and the step may be placed "
                       "unlike the allocation (measured); write srun -c $SLURM_CPUS_PER_TASK, or export "
                       "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK once (23.11 and later inherit it again)")
+
+
+# steps that need no more than the one CPU srun gives them (a node's name, its GPUs, a copy to local disk)
+SMALL_STEPS = {"hostname", "nvidia-smi", "echo", "env", "printenv", "date", "true", "sleep", "cat", "ls", "mkdir",
+               "rm", "cp", "mv", "rsync", "tar", "df", "free", "uname", "scontrol"}
 
 
 def torchrun_processes(job: Job, agents_per_node: list[int], gpn: int | None,

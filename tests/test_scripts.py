@@ -248,3 +248,31 @@ def test_any_request_is_judged_without_crashing(tmp_path, options, launch):
 def shlex_quote(value: str) -> str:
     import shlex
     return shlex.quote(value)
+
+
+@pytest.mark.parametrize("gpn,workers,nodes", [(4, 1, 2), (4, 2, 2), (4, 4, 1), (8, 2, 2), (8, 4, 3), (4, 3, 1)])
+def test_torchrun_workers_idr_torch_and_the_checker_agree(tmp_path, gpn, workers, nodes):
+    """The environment torchrun gives each worker (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, as
+    tests/test_launch_slurm.py saw them for real) inside an srun task that sees the node's GPUs: the plan idr_torch
+    makes from it (what the trainer runs) is the checker's plan of the script, worker by worker."""
+    import idr_torch
+    script = tmp_path / "tr.slurm"
+    script.write_text(f"#!/bin/bash\n#SBATCH -N {nodes} --ntasks-per-node=1 --gres=gpu:{gpn} -c 8\n"
+                      f"srun -c 8 torchrun --nnodes {nodes} --nproc_per_node {workers} --rdzv_backend c10d "
+                      "--rdzv_endpoint h:1 bench_ddp_transformer.py --nlayers 12\n")
+    job, training, _ = ct.read_sbatch(script)
+    report = ct.check_job(job, training)
+    mine = []
+    for node in range(nodes):
+        for local in range(workers):
+            env = {"TORCHELASTIC_RUN_ID": "1", "RANK": str(node * workers + local), "LOCAL_RANK": str(local),
+                   "WORLD_SIZE": str(nodes * workers), "LOCAL_WORLD_SIZE": str(workers), "GROUP_RANK": str(node),
+                   "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpn))), "SLURM_PROCID": str(node),
+                   "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node), "SLURM_GPUS_ON_NODE": str(gpn)}
+            launch = idr_torch.Launch(env)
+            plan = ct.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size,
+                                launch.visible_gpus, launch.gpus_on_node, 12)
+            mine.append((plan.rank, plan.node, plan.local_rank, plan.nb_part, plan.devices))
+    assert mine == [(t.rank, t.node, t.local_rank, t.nb_part, t.devices) for t in report.tasks]
+    if gpn % workers:
+        assert "gpus-not-divisible" in {f.code for f in report.findings}
