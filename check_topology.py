@@ -1695,12 +1695,11 @@ def check_nodes(job: Job, findings: Findings) -> None:
         return
     ntype = node_type(job)
     alternatives = constraint_features(job.constraint)
-    if not ntype or not alternatives or not JEAN_ZAY[ntype].features and ntype not in ("cpu",):
-        if not (ntype and alternatives and any(FEATURE_TYPES.get(f, ntype) != ntype for a in alternatives for f in a)):
-            return
-    possible = [a for a in alternatives if all(FEATURE_TYPES.get(f, ntype) == ntype for f in a)]
-    if not possible:
-        feature = next(f for a in alternatives for f in a if FEATURE_TYPES.get(f, ntype) != ntype)
+
+    def elsewhere(feature: str) -> bool:  # a feature the table puts on other nodes (unknown features: not judged)
+        return feature in FEATURE_TYPES and FEATURE_TYPES[feature] != ntype
+    if ntype and alternatives and all(any(elsewhere(f) for f in a) for a in alternatives):
+        feature = next(f for a in alternatives for f in a if elsewhere(f))
         other = JEAN_ZAY[FEATURE_TYPES[feature]]
         findings.error("constraint-unavailable", f"-C {job.constraint} asks for {other.label.split(' (')[0]}, but "
                        f"no node of {JEAN_ZAY[ntype].label} has '{feature}': Slurm refuses the job ('Requested node "
@@ -1736,10 +1735,10 @@ def check_cpus(job: Job, gpus_per_task: int, tasks_per_node: list[int], findings
                            f"{busiest} task(s) x --cpus-per-task={job.cpus_per_task} = "
                            f"{busiest * job.cpus_per_task} cores, but {t.label} have {t.cores}; "
                            f"use --cpus-per-task <= {max(1, t.cores // busiest)}")
-    if (job.hint or "").lower() != "nomultithread" and "nomultithread" not in (job.hint or "").lower().split(","):
-        if job.hint and job.hint.lower() in HINTS or not job.hint:
-            findings.warn("hint-missing", "--hint=nomultithread is not set: tasks get hyperthreads instead of "
-                          "physical cores (Jean Zay's advice for its jobs is --hint=nomultithread)")
+    hints = [h.lower() for h in _tokens(job.hint or "")]
+    if "nomultithread" not in hints and all(h in HINTS for h in hints if h):  # a hint sbatch refuses: bad-value
+        findings.warn("hint-missing", "--hint=nomultithread is not set: tasks get hyperthreads instead of "
+                      "physical cores (Jean Zay's advice for its jobs is --hint=nomultithread)")
 
 
 def qos_of(job: Job) -> tuple[str | None, str | None]:
