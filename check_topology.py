@@ -31,6 +31,7 @@ One file, in two parts, because users copy it next to the trainers and both trai
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import os
@@ -1005,8 +1006,19 @@ def parse_options(tokens: list[str], where: str, findings: Findings, prog: str =
 # any Jean Zay partition (all of Jean Zay has fewer than 4096 nodes; its nodes have at most 8 GPUs and 96 cores, 192
 # hardware threads). A count above its bound is refused (the test cluster's slurmctld refused them all: 'Requested
 # node configuration is not available', 'Invalid Trackable RESource (TRES) specification').
-COUNT_LIMITS = {"nodes": 4096, "ntasks": 4096 * 192, "ntasks-per-node": 192, "cpus-per-task": 192,
+COUNT_LIMITS = {"nodes": 4096, "ntasks": 4096 * 8, "ntasks-per-node": 192, "cpus-per-task": 192,
                 "gpus-per-node": 16, "gpus-per-task": 16, "gpus": 4096 * 16, "gres": 16}
+
+
+def too_many_tasks(per_node: list[int], findings: Findings) -> bool:
+    """A placement with more tasks on a node, or in all, than COUNT_LIMITS allows: one error, nothing planned."""
+    busiest, total = max(per_node, default=0), sum(per_node)
+    if busiest <= COUNT_LIMITS["ntasks-per-node"] and total <= COUNT_LIMITS["ntasks"]:
+        return False
+    findings.error("count-too-large", f"{total} task(s), up to {busiest} on a node: more than any Jean Zay node "
+                   f"runs ({COUNT_LIMITS['ntasks-per-node']} hardware threads at most) or the checker plans "
+                   f"({COUNT_LIMITS['ntasks']} tasks); ask for --nodes and --ntasks-per-node the nodes hold")
+    return True
 
 
 def _int_option(name: str, value: str | None, where: str, findings: Findings, lo: int = 1) -> int | None:
@@ -3165,6 +3177,8 @@ def check_job(job: Job, training: Training) -> Report:
     if job.trainer is None:
         return check_other_program(job, training, findings)
     tasks_per_node = step_placement(job, findings)
+    if too_many_tasks(tasks_per_node, findings):
+        return Report(job, training, [], findings, ["nothing planned: more tasks than the nodes run"])
     gpn = step_gpus_per_node(job, tasks_per_node, findings)
     job.gpus_per_node = gpn
     if training.nlayers is None:  # the trainer's own default for what it will run on
@@ -3173,19 +3187,27 @@ def check_job(job: Job, training: Training) -> Report:
     procs_per_node, agent_view = tasks_per_node, None
     if job.workers is not None:  # torchrun: its workers are the trainer's processes (LOCAL_WORLD_SIZE = workers)
         procs_per_node, agent_view = torchrun_processes(job, tasks_per_node, gpn, findings)
+        if too_many_tasks(procs_per_node, findings):
+            return Report(job, training, [], findings, ["nothing planned: more processes than the nodes run"])
     stage = training.layout == "stage"
     if stage:
         training.nb_part = 1  # a task per GPU
     check_divisible(job, gpn, procs_per_node, training, findings)
     plans: list[TaskPlan] = []
     ranks = task_ranks(job, procs_per_node, findings)
+    planned: dict[tuple[int, int], TaskPlan] = {}  # a task's plan depends on its node's count and its local rank
     for node, tasks in enumerate(procs_per_node):
         for local in range(tasks):
-            visible = (agent_view if agent_view is not None else gpu_view(job, local, tasks, gpn, findings)) if gpn else []
-            # under torchrun idr_torch knows no SLURM_GPUS_ON_NODE (launcher torchrun): the plan is the page's
-            plans.append(plan_task(ranks[node, local], node, local, tasks, visible,
-                                   None if job.workers is not None else gpn, training.nlayers, training.nb_part,
-                                   findings, training.devices))
+            if (tasks, local) not in planned:
+                visible = (agent_view if agent_view is not None else gpu_view(job, local, tasks, gpn, findings)
+                           ) if gpn else []
+                # under torchrun idr_torch knows no SLURM_GPUS_ON_NODE (launcher torchrun): the plan is the page's
+                planned[tasks, local] = plan_task(0, node, local, tasks, visible,
+                                                  None if job.workers is not None else gpn, training.nlayers,
+                                                  training.nb_part, findings, training.devices)
+            plan = copy.copy(planned[tasks, local])  # its lists are shared, never changed after planning
+            plan.rank, plan.node = ranks[node, local], node
+            plans.append(plan)
     plans.sort(key=lambda p: p.rank)
     _dedupe(findings)
     report = Report(job, training, plans, findings)
@@ -3334,6 +3356,8 @@ def check_other_program(job: Job, training: Training, findings: Findings) -> Rep
     caps, ntasks = allocation_tasks(job, findings)
     nodes = len(caps) if caps else (job.nodes or 1)
     shape = caps or packing(ntasks, nodes, node_cap(job))
+    if too_many_tasks(shape, findings):
+        return Report(job, training, [], findings, ["nothing planned: more tasks than the nodes run"])
     gpn = step_gpus_per_node(job, shape, findings)
     job.gpus_per_node = gpn
     ntype = node_type(job)
@@ -3555,7 +3579,12 @@ def check_node_usage(report: Report) -> None:
     for p in report.tasks:
         by_node.setdefault(p.node, []).append(p)
     gpn = report.job.gpus_per_node
+    seen: set[tuple] = set()
     for node, plans in sorted(by_node.items()):
+        shape = tuple(tuple(p.node_gpus) for p in plans)
+        if shape in seen:  # a node laid out like one already judged says nothing new
+            continue
+        seen.add(shape)
         owners: dict[str, list[int]] = {}
         for p in plans:
             for g in dict.fromkeys(p.node_gpus):  # a task's own parts may share a GPU (--devices 0,0)
