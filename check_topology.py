@@ -1414,7 +1414,7 @@ def step_placement(job: Job, findings: Findings, kit: bool = True) -> list[int]:
                            f"{what}, not srun: in a job of {ntasks} task(s) on {nodes} node(s) the batch script runs "
                            f"it once, on the first node"
                            + (f", as 1 process, not {ntasks}" if not own else f"; the other {nodes - 1} node(s) "
-                              "idle") + f"; start it with srun"
+                              "idle") + "; start it with srun"
                            + (f": srun python {job.trainer} ..." if kit and job.workers is None else
                               " --ntasks-per-node=1 (one per node)"))
         return [1]

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import check_topology as ct
-from launch import ROOT, clean_env
+from launch import ROOT
 
 SCRIPTS = sorted((Path(__file__).resolve().parent / "sbatch" / "scripts").glob("*.slurm"))
 
