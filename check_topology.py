@@ -2901,6 +2901,8 @@ def find_launches(ran: Ran, name: str, findings: Findings, srun: list | None = N
         start, module, command = python_script(words, i + 1)
         if command or start >= len(words):
             return [LaunchLine(where, words, min(start, len(words) - 1), "program", srun, env=env)] if srun else []
+        if module and words[start].split(".")[0] in ("pip", "venv", "ensurepip", "json", "http", "site"):
+            return []  # python's own tools: an install, not a program of the job
         kind = PYTHON_MODULES.get(words[start]) if module else "python"
         if kind is None:
             kind = "python"
@@ -3370,7 +3372,10 @@ def check_other_program(job: Job, training: Training, findings: Findings) -> Rep
                        + (f"; use --gres=gpu:{t.gpus} or another partition (-p gpu_p2 / -C a100 for 8 GPUs)"
                           if t.gpus else "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
     check_gpu_cgroups(job, shape, gpn, findings)
+    stepped = any(x.srun is not None for x in job.launches)
     for launch in job.launches:
+        if stepped and launch.srun is None and launch.launcher in ("python", "program"):
+            continue  # a helper the batch shell runs once beside srun's steps (data preparation, pip install ...)
         layout_of_launch(job, launch, gpn, findings)
     per_task = (gpn // max(shape)) if gpn else 0
     check_site(job, shape, per_task, gpn, findings)
