@@ -1454,7 +1454,11 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
     # the step fits its tasks in the allocation's cores; srun 22.05 does not read SLURM_CPUS_PER_TASK, so without
     # srun -c a task takes 1 core (measured: -N 1 -c 10, then srun -n 2 ran 2 tasks; -N 2 -n 6 -c 10 held 4,2
     # tasks and srun placed 3,3)
-    caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in caps[:m_step]]
+    held = caps[:m_step]
+    if job.ntasks_per_node and ntasks > 1:  # slurmctld then reserves k tasks' cores on every node, whatever -n
+        held = [max(c, job.ntasks_per_node) for c in held]  # (job_mgr.c: pn_min_cpus = cpus_per_task x k; measured:
+        # -N 2 -n 2 --ntasks-per-node 2 held 2 cores a node, and srun -N 1 ran both tasks on the first)
+    caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in held]
     if n_step > sum(caps):
         findings.error("step-too-many-tasks",
                        f"srun would start {n_step} task(s) on {m_step} node(s) whose allocation holds "
