@@ -495,7 +495,7 @@ class Replica:
 
     def describe(self) -> str:
         return (f"{self.dp_size} replica(s), nb_part {self.nb_part}, {options_text(self.cfg, self.dp_size)} "
-                f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.gpu_ids)} on rank 0), engine "
+                f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.node_gpus)} on rank 0), engine "
                 f"{self.engine}: " + " | ".join(f"{self.plan.device(i)}: {c}"
                                                  for i, c in enumerate(self.plan.contents)))
 
@@ -512,7 +512,7 @@ class Replica:
 
     def placement(self, launch: idr_torch.Launch) -> dict:
         return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "nb_part": self.nb_part,
-                "devices": [self.plan.device(i) for i in range(self.nb_part)], "gpu_ids": self.plan.gpu_ids,
+                "devices": [self.plan.device(i) for i in range(self.nb_part)], "node_gpus": self.plan.node_gpus,
                 **cpu_placement()}
 
     def record(self) -> dict:

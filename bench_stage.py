@@ -248,7 +248,7 @@ class Stages:  # a bench.Trainer
     def placement(self, launch: idr_torch.Launch) -> dict:
         return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "stages": self.ids,
                 "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "nb_part": 1, "devices": [str(self.device)],
-                "gpu_ids": self.plan.gpu_ids, **bench.cpu_placement()}
+                "node_gpus": self.plan.node_gpus, **bench.cpu_placement()}
 
     def record(self) -> dict:
         return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": self.pp,

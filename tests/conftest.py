@@ -44,7 +44,8 @@ def started_cluster(variant: str = "default"):
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A real Slurm cluster (slurmctld, 5 slurmd, munged) started once, stopped at the end of the session."""
+    """A real Slurm cluster (slurmctld, one slurmd per node of local_slurm.PARTITIONS, munged) started once, stopped at
+    the end of the session."""
     yield from started_cluster()
 
 

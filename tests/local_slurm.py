@@ -4,9 +4,13 @@
     python tests/local_slurm.py start DIR affinity   # the CPU-binding variant (below)
     python tests/local_slurm.py stop DIR      # stops the daemons by their pid files
 
-Layout (mirrors Jean Zay's V100 partitions):
-  gpu_p13 (default)  node[1-3]  4 fake GPUs, 40 CPUs each
+Layout (mirrors Jean Zay's partitions, small):
+  gpu_p13 (default)  node[1-3]  4 fake GPUs, 40 CPUs each (features v100, v100-16g, v100-32g)
   gpu_p2             big[1-2]   8 fake GPUs, 24 CPUs each
+  gpu_p5             amd[1-2]   8 fake GPUs, 64 CPUs each (feature a100)
+  gpu_p6             hop[1-2]   4 fake GPUs, 96 CPUs each (feature h100)
+  cpu_p1             cpu[1-2]   no GPU, 40 CPUs each
+  prepost            pp1        no GPU, 48 CPUs
 
 Facts this relies on (slurm-wlm 22.05 on Debian bookworm):
 - several slurmd on one host: one NodeName line per node with its own Port, started as `slurmd -D -N name`;
@@ -34,6 +38,10 @@ from pathlib import Path
 PARTITIONS = {  # name: (node names, GPUs per node, CPUs per node, features)
     "gpu_p13": (["node1", "node2", "node3"], 4, 40, "v100,v100-16g,v100-32g"),
     "gpu_p2": (["big1", "big2"], 8, 24, "v100,v100-32g"),
+    "gpu_p5": (["amd1", "amd2"], 8, 64, "a100"),
+    "gpu_p6": (["hop1", "hop2"], 4, 96, "h100"),
+    "cpu_p1": (["cpu1", "cpu2"], 0, 40, "cpu"),
+    "prepost": (["pp1"], 0, 48, "prepost"),
 }
 
 
@@ -160,8 +168,8 @@ class LocalCluster:
         for i, (part, (names, gpus, cpus, feats)) in enumerate(self.partitions.items()):
             for n in names:
                 lines.append(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
-                             f"CPUs={cpus} Gres=gpu:{gpus} Features={feats} State=UNKNOWN")
-                gres.append(f"NodeName={n} Name=gpu File={r}/dev/nvidia[0-{gpus - 1}]")
+                             f"CPUs={cpus}{f' Gres=gpu:{gpus}' if gpus else ''} Features={feats} State=UNKNOWN")
+                gres += [f"NodeName={n} Name=gpu File={r}/dev/nvidia[0-{gpus - 1}]"] if gpus else []
             lines.append(f"PartitionName={part} Nodes={','.join(names)} Default={'YES' if i == 0 else 'NO'} "
                          "MaxTime=INFINITE State=UP OverSubscribe=NO")
         self.conf.write_text("\n".join(lines) + "\n")
