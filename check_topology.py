@@ -3518,12 +3518,18 @@ def read_trainer_line(launch: "LaunchLine", script: str, where: str, job: Job, t
     if launch.launcher == "torchrun":
         job.workers = workers_of(launch)
         if job.workers is None:
-            job.workers = 1
-            training.unchecked.append(f"{where}: torchrun --nproc_per_node {launch.options.get('nproc-per-node')}")
+            job.workers = 1  # planned as one worker per agent; what depends on the split is left unjudged
+            nproc = launch.options.get("nproc-per-node")
+            training.unchecked.append(f"{where}: torchrun --nproc_per_node {nproc}")
+            findings.warn("unchecked-argument", f"{where}: torchrun --nproc_per_node {nproc} is a shell variable: the "
+                          "workers per node, so each one's GPUs (nb_part), the bubble and the fit are not checked; "
+                          "write the number, or check each value with --ntasks-per-node N on the checker's line")
     elif launch.launcher in ("deepspeed", "accelerate"):
         findings.warn("launcher-not-modelled", f"{where}: the kit's trainer under {launch.launcher}: its processes "
                       "are planned as srun's tasks; start it with srun or torchrun, as the templates do")
     training_from_argv(argv[cut + 1:], training, where, findings)
+    if launch.launcher == "torchrun" and workers_of(launch) is None:  # the split depends on the workers per node
+        training.unknown = list(dict.fromkeys([*training.unknown, "nb_part"]))
 
 
 # -- the script as a whole: directives, then bash's run of it, then its launch lines --
@@ -3772,7 +3778,7 @@ def check_kit(report: Report, procs_per_node: list[int], gpn: int | None) -> Non
                        cpu=cpu)
     elif nb_parts:
         check_training(min(nb_parts), training, findings, cpu=cpu)
-        if not cpu and not training.unchecked:  # a shell variable may hold any chunks: the bubble is unknown
+        if not cpu:  # each leaves alone what a shell variable may hold (training.unknown)
             check_bubble(min(nb_parts), training, findings)
             line = check_memory(job, training, min(nb_parts), len(plans), max(procs_per_node), findings)
             report.notes += [line] if line else []
