@@ -14,6 +14,11 @@ One machine, no GPU:
 """
 from __future__ import annotations
 
+# bench_ddp_transformer holds SIGUSR1/SIGTERM from its first lines when a trainer is the program (see there):
+# imported first, before torch, so a signal during start-up is not fatal here either
+HOLD_STOP_SIGNALS = True
+import bench_ddp_transformer as bench  # noqa: E402
+
 import argparse
 import inspect
 import os
@@ -26,7 +31,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-import bench_ddp_transformer as bench
 import check_topology
 import idr_torch
 from bench_ddp_transformer import RunError
