@@ -811,11 +811,13 @@ def data_source(cfg: argparse.Namespace) -> Path | None:
 
 
 def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dict:
-    """Tokenised tensors, built once by rank 0 and cached; the other ranks wait, then load the cache."""
+    """Tokenised tensors, built once by rank 0 and cached; the other ranks wait, then load the cache (or build
+    their own where they cannot see it). What each task found is gathered (agree): a task that cannot read the
+    data says so, and every task stops."""
     cache_dir = Path(cfg.cache_dir or os.environ.get("SCRATCH") or
                      (source.parent if source is not None and os.access(source.parent, os.W_OK) else ".cache"))
     name = "synthetic" if source is None else "imdb"
-    cache = cache_dir / f"{name}-{cache_key(cfg, source)}.pt"
+    cache = key = None  # rank 0 computes the key (every review's size and time); the others take it
 
     def build() -> dict:
         t0 = time.time()
@@ -852,10 +854,13 @@ def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dic
     launch, data, problem = idr_torch.current(), None, None
     if launch.rank == 0:
         try:
+            key = cache_key(cfg, source)
+            cache = cache_dir / f"{name}-{key}.pt"
             data = read() or build()
         except RunError as exc:
             problem = str(exc)
-    agree(problem, launch)  # rank 0's verdict on the data, before the others read what it cached
+    key = agree(problem, launch, key)[0]  # rank 0's verdict on the data, before the others read what it cached
+    cache = cache_dir / f"{name}-{key}.pt"
     if world > 1:
         dist.barrier()
     problem = None
@@ -877,7 +882,8 @@ def corpus_fits(data: object, cfg: argparse.Namespace) -> bool:
     for split in ("train", "test"):
         x, y = data.get(f"{split}_x"), data.get(f"{split}_y")
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == 2 and y.dim() == 1
-                and x.size(1) == cfg.seq_len and len(x) == len(y) and len(y) > 0):
+                and x.dtype == torch.int32 and y.dtype == torch.int64 and x.size(1) == cfg.seq_len
+                and len(x) == len(y) and len(y) > 0):
             return False
         if y.min() < 0 or y.max() > 1 or x.min() < 0 or x.max() >= cfg.vocab_size:
             return False

@@ -108,6 +108,7 @@ def save_killed_at(path: Path, kill_at: int) -> tuple[list[str], int]:
     return events, os.waitpid(pid, 0)[1]
 
 
+@pytest.mark.core
 def test_kill_at_each_step_of_the_save_leaves_a_whole_pair(tmp_path):
     """The second save of a pair is killed (SIGKILL) at each of its steps in turn: every write (before its first
     byte and half-way), every fsync, every rename. Each time, what a resuming run reads is a whole pair, the old
@@ -325,7 +326,8 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("poisoned", ["model file", "companion", "staged companion", "cache"])
+@pytest.mark.parametrize("poisoned", ["model file", pytest.param("companion", marks=pytest.mark.core),
+                                      "staged companion", "cache"])
 def test_a_poisoned_file_never_runs(tmp_path, poisoned):
     """A pickled os.system call in each file the kit loads: the run refuses it (or, for the cache and a staged
     companion, rebuilds or drops it) and the payload never runs."""
@@ -361,3 +363,20 @@ def test_a_poisoned_file_never_runs(tmp_path, poisoned):
     if poisoned in ("model file", "companion"):  # and the payload is real: an unsafe load of the file runs it
         torch.load(ckpt if poisoned == "model file" else b.resume_file(ckpt), weights_only=False)
         assert marker.exists()
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_resume_reads_the_companion_weights_only(tmp_path, precision):
+    """What a resumed run reads, weights-only, on every release: optimizer state, every rank's RNG states, and
+    (fp16) the GradScaler's state."""
+    ckpt = tmp_path / "ckpt.pt"
+    common = [*SMALL, "--cache-dir", str(tmp_path), "--save", str(ckpt), "--precision", precision]
+    first = bench([*common, "--epochs", "1"])[0]
+    if first.returncode and "fp16" in first.stderr and precision == "fp16":
+        pytest.skip(f"this torch refuses --precision fp16 on the CPU: {first.stderr.strip().splitlines()[-1]}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    state = torch.load(b.resume_file(ckpt), weights_only=True)
+    assert ("grad_scaler" in state["optimizer"]) == (precision == "fp16") and isinstance(state["rng"][0]["python"], tuple)
+    [r] = bench([*common, "--epochs", "2", "--resume"])
+    assert r.returncode == 0 and f"loaded {ckpt}: epoch 1, step 9" in r.stdout, r.stderr[-2000:]
