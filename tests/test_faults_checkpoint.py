@@ -25,6 +25,23 @@ import bench_ddp_transformer as b
 SMALL = ["--synthetic", "300", "--nlayers", "2", "--batch-size", "32"]
 
 
+@pytest.fixture(scope="session")
+def one_epoch(tmp_path_factory) -> Path:
+    """A folder holding what one epoch of SMALL leaves with --save ckpt.pt: the pair and the tokenised cache."""
+    folder = tmp_path_factory.mktemp("one_epoch")
+    [r] = bench([*SMALL, "--epochs", "1", "--cache-dir", str(folder), "--save", str(folder / "ckpt.pt")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return folder
+
+
+def copy_of(one_epoch: Path, tmp_path: Path) -> Path:
+    """The one-epoch pair and cache, copied into tmp_path (byte for byte: the companion's digest still matches);
+    returns the copied checkpoint's path."""
+    for f in one_epoch.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    return tmp_path / "ckpt.pt"
+
+
 def one_error(result: subprocess.CompletedProcess) -> str:
     """The run failed with exactly one error line and no traceback; returns that line."""
     lines = [line for line in result.stderr.splitlines() if line.strip() and "idr_torch:" not in line]
@@ -293,14 +310,24 @@ CASES = ["save is a folder", "save is /dev/null", "save is a fifo", "companion i
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_output_paths_are_checked(tmp_path, case):
+    args, needle = outputs(tmp_path)[case]
+    cfg = b.parse_args(args)
+    with pytest.raises(b.RunError, match=re.escape(needle)):
+        b.check_outputs(cfg)
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.parametrize("case", ["save is /dev/null", "json-out in a missing folder"])
 def test_output_paths_are_checked_before_training(tmp_path, case):
+    """The trainer itself: one line, before any training, nothing written (not even the cache). As root,
+    --save /dev/null used to replace /dev/null."""
     args, needle = outputs(tmp_path)[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     [r] = bench([*SMALL, "--cache-dir", str(tmp_path / "cache"), *args], timeout=120)
-    line = one_error(r)
-    assert needle in line, line
-    assert "epoch" not in r.stdout  # refused before any training
-    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, not even the cache
+    assert needle in one_error(r)
+    assert "epoch" not in r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
@@ -328,13 +355,12 @@ class Payload:
 
 @pytest.mark.parametrize("poisoned", ["model file", pytest.param("companion", marks=pytest.mark.core),
                                       "staged companion", "cache"])
-def test_a_poisoned_file_never_runs(tmp_path, poisoned):
+def test_a_poisoned_file_never_runs(tmp_path, one_epoch, poisoned):
     """A pickled os.system call in each file the kit loads: the run refuses it (or, for the cache and a staged
     companion, rebuilds or drops it) and the payload never runs."""
     marker = tmp_path / "PWNED"
-    ckpt = tmp_path / "ckpt.pt"
+    ckpt = copy_of(one_epoch, tmp_path)
     common = [*SMALL, "--epochs", "1", "--cache-dir", str(tmp_path)]
-    assert bench([*common, "--save", str(ckpt)])[0].returncode == 0
     good = torch.load(ckpt)
     assert isinstance(Payload(marker).__reduce__()[0], type(os.system))
     if poisoned == "model file":
