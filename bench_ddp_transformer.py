@@ -1437,8 +1437,9 @@ class SaveLock:
         descriptor of the file releases the process's POSIX locks on it."""
         try:
             who = json.loads(lock.read_text())
-            return (f"job {who['job']}" + (f" ({who['job_name']})" if who.get("job_name") else "") + " on host "
-                    if who.get("job") else "a process on host ") + f"{who['host']}, PID {who['pid']}, since {who['since']}"
+            job = (f"job {who['job']}" + (f" ({who['job_name']})" if who.get("job_name") else "") + " on host "
+                   if who.get("job") else "a process on host ")
+            return f"{job}{who['host']}, PID {who['pid']}, since {who['since']}"
         except (OSError, ValueError, KeyError, TypeError):
             return f"a process that has not written its name in {lock} yet"
 

@@ -50,7 +50,7 @@ def one_error(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-# ---- a kill at each step of a save: the next reader finds a whole pair, old or new -------------------------------------
+# ---- a kill at each step of a save: the next reader finds a whole pair, old or new -----------------------------------
 def small_cfg():
     cfg = b.parse_args(["--nlayers", "2"])
     b.resolve(cfg, False)
@@ -170,7 +170,7 @@ def test_the_next_save_removes_only_its_own_leftovers(tmp_path):
     assert read_pair(path) == 2
 
 
-# ---- a full disk: the failed save is one line, the previous pair stays whole ---------------------------------------------
+# ---- a full disk: the failed save is one line, the previous pair stays whole -----------------------------------------
 @contextmanager
 def small_disk(where: Path, size_kib: int):
     """A tmpfs of `size_kib` KiB mounted at `where` (needs root: CI runs as root)."""
@@ -213,7 +213,7 @@ def test_full_disk_keeps_the_previous_pair(tmp_path, fails_at):
         assert again.returncode == 0 and f"loaded {ckpt}: epoch 1, step 9" in again.stdout, again.stderr[-2000:]
 
 
-# ---- a job stopped by SIGTERM, then SIGKILL 0.3 s later (a grace period shorter than the save) -------------------------
+# ---- a job stopped by SIGTERM, then SIGKILL 0.3 s later (a grace period shorter than the save) -----------------------
 @pytest.mark.multiproc
 def test_sigterm_then_sigkill_during_a_save_then_resume(tmp_path):
     """A model big enough that a save takes a while; SIGTERM starts the stop-and-checkpoint, SIGKILL lands 0.3 s
@@ -246,7 +246,7 @@ def test_sigterm_then_sigkill_during_a_save_then_resume(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*big.pt*")) == ["big.pt", "big.pt.resume.pt"]
 
 
-# ---- two runs, one --save: the second is refused, naming the first -----------------------------------------------------
+# ---- two runs, one --save: the second is refused, naming the first ---------------------------------------------------
 def test_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(tmp_path):
     ckpt = tmp_path / "shared.pt"
     args = [*SMALL, "--cache-dir", str(tmp_path), "--save", str(ckpt)]
@@ -277,7 +277,8 @@ def test_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(tmp_path):
 def test_lock_holder_details_and_release(tmp_path):
     ckpt = tmp_path / "x.pt"
     lock = b.SaveLock.take(str(ckpt))  # (reading the file here would release it: POSIX locks are per process)
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import bench_ddp_transformer as b; b.SaveLock.take({str(ckpt)!r})"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import bench_ddp_transformer as b; "
+            f"b.SaveLock.take({str(ckpt)!r})")
     r = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert "is being written by another run" in r.stderr and f"PID {os.getpid()}" in r.stderr, r.stderr
     lock.release()
@@ -286,7 +287,7 @@ def test_lock_holder_details_and_release(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-# ---- every output path checked before training --------------------------------------------------------------------------
+# ---- every output path checked before training -----------------------------------------------------------------------
 def outputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     (tmp_path / "folder.pt").mkdir()
     (tmp_path / "taken.pt.resume.pt").mkdir()
@@ -298,7 +299,8 @@ def outputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "companion is a folder": (["--save", str(tmp_path / "taken.pt")], "taken.pt.resume.pt is a folder"),
         "save in a missing folder": (["--save", str(tmp_path / "no" / "x.pt")], f"folder {tmp_path / 'no'} does not"),
         "json-out in a missing folder": (["--json-out", str(tmp_path / "no" / "r.jsonl")],
-                                         f"--json-out {tmp_path / 'no' / 'r.jsonl'}: folder {tmp_path / 'no'} does not"),
+                                         f"--json-out {tmp_path / 'no' / 'r.jsonl'}: folder {tmp_path / 'no'} "
+                                         "does not"),
         "json-out is a folder": (["--json-out", str(tmp_path / "folder.pt")], "is a folder"),
         "save is json-out": (["--save", str(tmp_path / "a.pt"), "--json-out", str(tmp_path / "a.pt")],
                              "--save and --json-out are both"),
@@ -342,7 +344,7 @@ def test_checkpoints_get_the_users_umask(tmp_path, umask):
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, (f, oct(f.stat().st_mode))
 
 
-# ---- nothing the kit loads can run code ---------------------------------------------------------------------------------
+# ---- nothing the kit loads can run code ------------------------------------------------------------------------------
 class Payload:
     """Unpickled, it runs a shell command: what a poisoned checkpoint carries."""
 
@@ -404,6 +406,7 @@ def test_resume_reads_the_companion_weights_only(tmp_path, precision):
                     f"{first.stderr.strip().splitlines()[-1]}")
     assert first.returncode == 0, first.stderr[-2000:]
     state = torch.load(b.resume_file(ckpt), weights_only=True)
-    assert ("grad_scaler" in state["optimizer"]) == (precision == "fp16") and isinstance(state["rng"][0]["python"], tuple)
+    assert ("grad_scaler" in state["optimizer"]) == (precision == "fp16")
+    assert isinstance(state["rng"][0]["python"], tuple)  # random.setstate wants the tuple back
     [r] = bench([*common, "--epochs", "2", "--resume"])
     assert r.returncode == 0 and f"loaded {ckpt}: epoch 1, step 9" in r.stdout, r.stderr[-2000:]

@@ -29,7 +29,7 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if "error:" in line]
 
 
-# ---- the network, before the tasks meet: one line per task, within seconds or --timeout -------------------------------
+# ---- the network, before the tasks meet: one line per task, within seconds or --timeout ------------------------------
 @pytest.mark.multiproc
 def test_unresolvable_master_is_one_line_per_task(tmp_path):
     envs = srun_envs(2)
@@ -102,7 +102,7 @@ def test_setup_error_after_the_pipe_exits_within_timeout(tmp_path, failing):
             assert "task 0 on" in one_error(r) and "lost contact with the others" in one_error(r)
 
 
-# ---- one task's error is seen: the task says it, the others name it ----------------------------------------------------
+# ---- one task's error is seen: the task says it, the others name it --------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.parametrize("what", ["--load", "--data-dir"])
 def test_one_tasks_error_is_seen(tmp_path, one_epoch, what):
@@ -143,7 +143,7 @@ def test_the_same_error_everywhere_is_said_once(tmp_path):
     assert results[1].returncode == 1 and not error_lines(results[1])
 
 
-# ---- a stop signal during start-up: held, then checkpoint and exit 75 (the job is requeued) ------------------------------
+# ---- a stop signal during start-up: held, then checkpoint and exit 75 (the job is requeued) --------------------------
 def catches(pid: int, sig: int) -> bool:
     """Whether process `pid` has a handler installed for `sig` (/proc/PID/status, SigCgt)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -185,7 +185,7 @@ def test_bench_stage_holds_sigusr1_from_its_first_lines():
     assert r.returncode == 1 and "bench_stage: error:" in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
-# ---- small things, one line each ----------------------------------------------------------------------------------------
+# ---- small things, one line each -------------------------------------------------------------------------------------
 def test_resume_without_save_is_refused(tmp_path):
     [r] = bench(["--resume", "--cache-dir", str(tmp_path)], timeout=120)
     assert "--resume continues from the --save file, and no --save was given" in one_error(r)
@@ -239,7 +239,7 @@ def test_malformed_slurm_procid_is_one_message(script):
     assert "Traceback" not in r.stderr
 
 
-# ---- data that would train to a meaningless result ---------------------------------------------------------------------
+# ---- data that would train to a meaningless result -------------------------------------------------------------------
 def test_reviews_rewritten_in_place_rebuild_the_cache(tmp_path):
     """The cache is keyed on every review file (name, size, time), not on its folder's time, which does not change
     when a file is rewritten in place: the stale cache was reused (test accuracy 0.812 instead of 0.500)."""
