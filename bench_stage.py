@@ -16,6 +16,11 @@ The trainer's verdict on its arguments alone, without importing torch (docs/argu
 """
 from __future__ import annotations
 
+# bench_ddp_transformer holds SIGUSR1/SIGTERM from its first lines when a trainer is the program (see there):
+# imported first, before torch, so a signal during start-up is not fatal here either
+HOLD_STOP_SIGNALS = True
+import bench_ddp_transformer as bench  # noqa: E402
+
 import argparse
 import inspect
 import os
@@ -30,7 +35,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-import bench_ddp_transformer as bench
 import check_topology
 import idr_torch
 from bench_ddp_transformer import RunError
