@@ -16,6 +16,12 @@ The trainer's verdict on its arguments alone, without importing torch (docs/argu
 """
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
+    import check_topology
+    sys.exit(check_topology.check_args_main("stage", sys.argv[1:]))
+
 # bench_ddp_transformer holds SIGUSR1/SIGTERM from its first lines when a trainer is the program (see there):
 # imported first, before torch, so a signal during start-up is not fatal here either
 HOLD_STOP_SIGNALS = True
@@ -24,11 +30,6 @@ import bench_ddp_transformer as bench  # noqa: E402
 import argparse
 import inspect
 import os
-import sys
-
-if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
-    import check_topology
-    sys.exit(check_topology.check_args_main("stage", sys.argv[1:]))
 
 import torch
 import torch.distributed as dist
