@@ -339,6 +339,11 @@ def build_module_list(cfg: argparse.Namespace, plan: check_topology.TaskPlan) ->
     # page: nb_part = torch.cuda.device_count() // int(os.environ['SLURM_NTASKS_PER_NODE'])
     # kit: the same, or --nb-part, or the GPUs Slurm bound to this task (--gpus-per-task)
     nb_part = plan.nb_part
+    if plan.cpu and cfg.precision != "fp32":
+        # the evaluation's TransformerEncoderLayer fast path (torch/nn/modules/transformer.py) is refused under
+        # torch.is_autocast_enabled(), which sees CUDA's autocast only in some releases: torch 2.4.1 took it under
+        # the CPU's and failed ("mat1 and mat2 must have the same dtype"). CUDA's autocast is seen everywhere.
+        torch.backends.mha.set_fastpath_enabled(False)
     # The GPU I.D. number into which the first part of the model will go.
     # page: first_part = idr_torch.local_rank * nb_part    kit: the same, or 0 when Slurm bound GPUs per task
     first_part = plan.first_part
@@ -593,9 +598,6 @@ def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable
     """init_process_group, init_rpc where the engine needs it, the model, train(); then tear down whatever was
     built, on every exit path (a Pipe left alive hangs the process at exit)."""
     launch = idr_torch.current()
-    if cfg.resume and not cfg.save:
-        raise RunError("--resume continues from the --save file, and no --save was given: add --save PATH (the "
-                       "templates use --save NAME.pt --resume), or start from a file with --load PATH")
     lock = trainer = rpc_file = None
     try:
         problem = source = None

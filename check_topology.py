@@ -288,6 +288,8 @@ class Training:
     zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
     model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
     devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
+    save: str | None = None  # --save PATH (checked for writing by the trainer, at start-up)
+    resume: bool = False  # --resume: start from the --save file if it exists
     unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables, as written
     unknown: list[str] = field(default_factory=list)  # names (nlayers, chunks, ...) whose value is not known here
 
@@ -1006,6 +1008,9 @@ def check_arguments(t: Training, cpu: bool = False) -> Findings:
     the GPU or CPU defaults). One function for the trainers and the checker: check_training calls it. Each value's
     own type and range are the definition's (Arg.convert, in read_trainer_argv)."""
     findings = Findings()
+    if t.resume and not t.save and t.known("save"):
+        findings.error("bad-argument", "--resume continues from the --save file, and no --save was given: add --save "
+                       "PATH (the templates use --save NAME.pt --resume), or start from a file with --load PATH")
     model = model_args(t, cpu)
     d, h = model["d_model"], model["n_head"]
     if not t.known("d_model", "n_head") or d < 1 or h < 1:
@@ -1035,8 +1040,10 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
         elif nlayers % nb_part:
             sizes = part_sizes(nlayers, nb_part)
             more = [p for p, n in enumerate(sizes) if n > min(sizes)]
+            which = (f"parts {', '.join(map(str, more[:-1]))} and {more[-1]} get" if len(more) > 1
+                     else f"part {more[0]} gets")
             findings.warn("nlayers-not-multiple",
-                          f"--nlayers={nlayers} is not a multiple of nb_part={nb_part}: {'parts' if len(more) > 1 else 'part'} {_choices(more)} get "
+                          f"--nlayers={nlayers} is not a multiple of nb_part={nb_part}: {which} "
                           f"{max(sizes)} layers, the others {min(sizes)} (layers per part {sizes}); the slowest "
                           f"part sets the pace: try --nlayers {nlayers - nlayers % nb_part} or "
                           f"{nlayers + nb_part - nlayers % nb_part}")
@@ -4121,6 +4128,9 @@ def check_node_usage(report: Report) -> None:
             fix = ("give each task its own GPUs, e.g. --gpu-bind=map_gpu:" + ",".join(
                        str(i * (gpn or 1) // len(plans)) for i in range(len(plans)))
                    if "map_gpu" in (report.job.gpu_bind or "") else
+                   f"--devices {','.join(map(str, report.training.devices))} names the same visible GPUs in every "
+                   f"task: drop --devices (each task then takes its own nb_part GPUs), or run one task per node"
+                   if report.training.devices else
                    f"use --nb-part <= {(gpn or 0) // len(plans)} or fewer tasks per node")
             report.findings.error("gpu-shared",
                                   f"node {node}: GPU {g} is used by tasks {', '.join(map(str, r))} "

@@ -618,6 +618,15 @@ def test_devices_on_the_trainer_line_and_the_command_line(tmp_path, capsys):
     assert "--devices '0,x' must be GPU indices" in capsys.readouterr().err
 
 
+def test_the_same_devices_in_every_task_of_a_node_is_refused_with_its_fix(capsys):
+    """--devices is one list for every task: two tasks of a 4-GPU node both on GPUs 0,1. The fix names --devices
+    (fewer tasks or a smaller --nb-part would not help)."""
+    assert ct.main(["--nodes", "1", "--gpus-per-node", "4", "--ntasks-per-node", "2", "--devices", "0,1"]) == 1
+    out = capsys.readouterr().out
+    assert ("gpu-shared: node 0: GPU 0 is used by tasks 0, 1 (2 GPU(s) shared in all); --devices 0,1 names the same "
+            "visible GPUs in every task: drop --devices" in out), out
+
+
 def test_parts_that_share_a_gpu_add_up_in_the_estimate():
     job = ct.Job(nodes=1, gpus_per_node=1, ntasks_per_node=1, cpus_per_task=10, hint="nomultithread",
                  constraint="v100-16g", time="0:20:00")
