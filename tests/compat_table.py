@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(f"compat_table: not checked: {msg}")
         if wrong:
-            print(f"compat_table: the table in {args.check} differs from what the lanes showed; run `make compat-table` "
-                  "and commit it", file=sys.stderr)
+            print(f"compat_table: the table in {args.check} differs from what the lanes showed; "
+                  "run `make compat-table` and commit it", file=sys.stderr)
             return 1
         print(f"compat_table: {args.check} agrees with the lanes for torch {', '.join(found)}")
         return 0
