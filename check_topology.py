@@ -1230,8 +1230,8 @@ def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | 
 class UsageError(Exception):
     """Bad command line or unreadable file: exit 2."""
 
-# Every finding the checker can give, with its level: `--json` carries these codes, and README.md lists exactly
-# this table (tests/test_check_topology.py compares the three: this table, the code, the README).
+# Every finding the checker can give, with its level: `--json` carries these codes, and docs/checker.md (section 9)
+# lists exactly this table (tests/test_check_topology.py compares the three: this table, the code, the docs).
 CATCHES = {
     # reading the script as sbatch 22.05 does
     "no-shebang": ("error", "the first line is not #! and an interpreter (sbatch refuses the file)"),
