@@ -2,7 +2,7 @@
 
 The commands are read off the Markdown: fenced blocks (```bash, ```sh, ```console: there only the `$ ` lines),
 indented code blocks, and inline code that starts with a command word (python, srun, sbatch, make, ...). Each is
-classified by RULES, first match wins:
+classified by classify(), first match wins:
 - run on this CPU, where that is cheap: the checker on a job script or a plan (exit 0 or 1, the output shown
   under a `$ ` line is what it prints), a trainer's `--check-args` (its arguments as the trainer reads them),
   a script's `--help` (every option shown is one it has);
@@ -100,36 +100,41 @@ def block_commands(doc: Path, lines: list[tuple[int, str]], console: bool) -> li
 
 def read_commands(doc: Path) -> list[Command]:
     lines = doc.read_text().splitlines()
+    prose = list(lines)  # the lines outside code blocks, code blanked out, for the inline spans
     found: list[Command] = []
     i = 0
     while i < len(lines):
-        line = lines[i]
-        fence = re.match(r"^(\s*)```\s*([\w-]*)", line)
+        fence = re.match(r"^(\s*)```\s*([\w-]*)", lines[i])
         if fence:
-            lang, body = fence.group(2), []
+            lang, body, prose[i] = fence.group(2), [], ""
             i += 1
             while i < len(lines) and not lines[i].strip().startswith("```"):
                 body.append((i + 1, lines[i][len(fence.group(1)):]))
+                prose[i] = ""
                 i += 1
+            if i < len(lines):
+                prose[i] = ""
             if lang in ("bash", "sh", "shell", "console", ""):
                 found += block_commands(doc, body, console=lang == "console")
             i += 1
-            continue
-        if line.startswith("    ") and (i == 0 or not lines[i - 1].strip()) and not re.match(r"^\s*([-*]|\d+\.) ",
-                                                                                          lines[i - 1] if i else ""):
+        elif lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):  # an indented code block
             body = []
             while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
                 body.append((i + 1, lines[i][4:]))
+                prose[i] = ""
                 i += 1
             while body and not body[-1][1].strip():
                 body.pop()
             found += block_commands(doc, body, console=False)
-            continue
-        for span in re.findall(r"`([^`]+)`", line):
-            span = span[2:] if span.startswith("$ ") else span
-            if len(span.split()) > 1 and is_command(span):  # one word (`sbatch`) names a command, runs none
-                found.append(Command(doc, i + 1, span.strip()))
-        i += 1
+        else:
+            i += 1
+    text = "\n".join(prose)
+    for m in re.finditer(r"`([^`]+)`", text):  # a span may go on over a line break, never over a blank line
+        span = " ".join(m.group(1).split())
+        span = span[2:] if span.startswith("$ ") else span
+        if "\n\n" not in m.group(1) and len(span.split()) > 1 and is_command(span):
+            found.append(Command(doc, text.count("\n", 0, m.start()) + 1, span))
+    found.sort(key=lambda c: c.line)
     return [part for cmd in found for part in split_and(cmd)]
 
 
@@ -150,6 +155,7 @@ QUOTED = {
     "python -c": "a form of launch line the checker recognises and does not follow",
     "python -": "a form of launch line the checker recognises and does not follow",
     "srun python ...": "a form of launch line, the program left out",
+    "python -X importtime": "Python's own import timer, named as a figure's source: no command of the kit",
     "sacctmgr show assoc": "the site's accounting command, named as the source of a Jean Zay fact; it needs Jean Zay",
     "python -c \"import pickle, sys; print(pickle.load(open(sys.argv[1], 'rb')))\" nccl_trace_<job>/rank_0":
         "reads a dump that nccl's flight recorder writes on a GPU; no dump exists without one",
@@ -304,13 +310,24 @@ def split_slurm(ws: list[str], long: dict[str, str], short: dict[str, str]) -> t
     return ws[1:i], ws[i:]
 
 
+# The templates a Slurm test submits for real on the local cluster; every template in slurm/ also goes through
+# `sbatch --test-only` there (tests/test_slurm.py::test_templates_pass_both_checks).
+SUBMITTED = {"page_3nodes_4gpus.slurm": "tests/test_slurm.py::test_page_three_node_template_runs",
+             "first_run.slurm": "tests/test_first_run.py::test_first_run_on_one_node",
+             "sweep_4gpus.slurm": "tests/test_slurm.py::test_sweep_runs_every_count_as_a_step_of_one_job"}
+
+
 def check_sbatch(cmd: Command, ws: list[str]) -> None:
+    """sbatch's options are 22.05's; the job script is one of slurm/'s templates, the checker accepts it, and the
+    Slurm tests submit it (for real where SUBMITTED names the test, else with --test-only)."""
     options, rest = split_slurm(ws, ct.SBATCH_LONG, ct.SBATCH_SHORT)
     check_options(cmd, options, ct.SBATCH_LONG, ct.SBATCH_SHORT)
     if rest:
         script = script_path(rest[0])
-        r = run([PY, "check_topology.py", str(script)])
+        assert script.parent == ROOT / "slurm", f"{cmd.where}: `{cmd.text}`: not one of slurm/'s templates"
+        r = run([PY, "check_topology.py", str(script.relative_to(ROOT))])
         assert r.returncode == 0, f"{cmd.where}: `{cmd.text}`: the checker refuses {rest[0]}:\n{r.stdout}{r.stderr}"
+        covered(SUBMITTED.get(script.name, "tests/test_slurm.py::test_templates_pass_both_checks"))
 
 
 def check_srun(cmd: Command, ws: list[str]) -> None:
@@ -401,7 +418,7 @@ def classify(cmd: Command):
 def check(cmd: Command) -> None:
     rule = classify(cmd)
     assert rule, (f"{cmd.where}: `{cmd.text}`: no rule of tests/test_docs.py runs or checks this command; add one "
-                  "(RULES, COVERED, or QUOTED with the reason)")
+                  "(classify(), COVERED, or QUOTED with the reason)")
     rule()
 
 
@@ -424,7 +441,7 @@ def test_quoted_and_covered_are_the_documents_own():
     """Every QUOTED entry is still quoted somewhere, and every COVERED test exists."""
     texts = {c.text for c in COMMANDS}
     assert set(QUOTED) <= texts, f"QUOTED entries no document quotes any more: {sorted(set(QUOTED) - texts)}"
-    for _, test in COVERED:
+    for test in [t for _, t in COVERED] + list(SUBMITTED.values()):
         covered(test)
 
 
