@@ -13,8 +13,8 @@ PY     := $(VENV)/bin/python
 run: venv
 	$(PY) bench_ddp_transformer.py
 
-# Everything on the pinned torch, then the matrix's core on every other release, then the README's compatibility
-# table against what those runs showed (each run writes $(COMPAT)/torch-<version>.json).
+# Everything on the pinned torch, then the matrix's core on every other release, then the compatibility table
+# (docs/releases.md) against what those runs showed (each run writes $(COMPAT)/torch-<version>.json).
 test: venv lanes slurm-deps
 	rm -rf $(COMPAT)
 	$(MAKE) --no-print-directory -k test-modern test-lanes compat-check
@@ -32,11 +32,11 @@ test-lane-%:
 	 else echo "make: lane torch $* was not built ($$d): not tested"; [ "$$KIT_REQUIRE_LANES" != 1 ] || exit 1; fi
 
 compat-check: venv
-	$(PY) tests/compat_table.py $(COMPAT) --check README.md
+	$(PY) tests/compat_table.py $(COMPAT) --check docs/releases.md
 
-# After a `make test` that changed what a release can do: write the table into the README (then commit it).
+# After a `make test` that changed what a release can do: write the table into docs/releases.md (then commit it).
 compat-table: venv
-	$(PY) tests/compat_table.py $(COMPAT) --write README.md
+	$(PY) tests/compat_table.py $(COMPAT) --write docs/releases.md
 
 # The page's sweep at small scale on this CPU, then its table and plot in report/ (about 10 minutes on 2 cores).
 sweep: venv
@@ -44,7 +44,7 @@ sweep: venv
 	PYTHON=$(PY) slurm/sweep_local.sh report/cpu_sweep.jsonl
 	$(PY) slurm/report.py report/cpu_sweep.jsonl --out report --title "CPU sweep (gloo, 2 cores): not a GPU result"
 
-# The performance budget (benchmarks/budget.py): ratios measured in one run; README quotes them.
+# The performance budget (benchmarks/budget.py): ratios measured in one run; docs/speed.md quotes them.
 budget: venv lane-2.3.1
 	$(PY) benchmarks/budget.py $$( d=$(call lane_dir,2.3.1); [ -f $$d/.installed ] && echo --legacy $$d/bin/python )
 

@@ -677,8 +677,7 @@ class CheckpointedLayer(nn.TransformerEncoderLayer):
     torch/nn/parallel/distributed.py). That is also why the Pipe's own checkpoint= must stay "never" under DDP:
     fairscale's (and torch 2.3's) Checkpoint.backward runs a nested torch.autograd.backward over the recomputed
     part (fairscale/nn/pipe/checkpoint.py), once per micro-batch, so DDP's hook sees each parameter ready once per
-    micro-batch. Measured here (fairscale 0.4.13, torch 2.13, 2 processes, gloo): checkpoint="always" and
-    "except_last" with chunks 2 fail in the first backward with "Expected to mark a variable ready only once".
+    micro-batch; the failure measured here: docs/memory.md, --activation-checkpointing.
     """
 
     def forward(self, src: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -942,11 +942,9 @@ TORCH_FEATURES = {
                          why="torch.distributed.pipelining first ships in 2.4",
                          fix="use bench_ddp_transformer.py (the page's layout), or module load pytorch-gpu/py3/2.4.0 "
                              "or later"),
-    # Only without a GPU (gloo): before 2.8, pipelining's _batch_p2p kept one of the requests that gloo returns for a
-    # batch of sends and receives and waited on that one alone (`batch_isend_irecv(ops).pop()` in 2.4.1 and 2.6.0
-    # schedules.py), so the schedules that batch a send with a receive wait forever; nccl coalesces a batch into
-    # one request and is not affected. pytorch/pytorch#132644, fixed by #152938 (2.8.0 returns and waits on all).
-    # Measured here: 1f1b and loopedbfs hang on 2.4.1 and 1f1b on 2.6.0 (gloo); gpipe sends and receives separately.
+    # Only without a GPU (gloo): before 2.8, pipelining's _batch_p2p waited on one of the requests gloo returns for a
+    # batch (`batch_isend_irecv(ops).pop()` in 2.4.1 and 2.6.0 schedules.py; pytorch/pytorch#132644, fixed by
+    # #152938); nccl coalesces a batch into one request. The hangs measured here: docs/releases.md.
     "gloo schedule": dict(flag="--schedule {schedule} without a GPU (gloo)", first=(2, 8), last=None,
                           why="before 2.8 it waits forever on gloo, pytorch/pytorch#132644",
                           fix="use --schedule gpipe on the CPU (GPUs with nccl are not affected)"),
@@ -1239,8 +1237,8 @@ def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | 
 class UsageError(Exception):
     """Bad command line or unreadable file: exit 2."""
 
-# Every finding the checker can give, with its level: `--json` carries these codes, and README.md lists exactly
-# this table (tests/test_check_topology.py compares the three: this table, the code, the README).
+# Every finding the checker can give, with its level: `--json` carries these codes, and docs/checker.md (section 9)
+# lists exactly this table (tests/test_check_topology.py compares the three: this table, the code, the docs).
 CATCHES = {
     # reading the script as sbatch 22.05 does
     "no-shebang": ("error", "the first line is not #! and an interpreter (sbatch refuses the file)"),
@@ -1857,9 +1855,8 @@ def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
 
 def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, int]:
     """What the allocation holds on each node, in tasks (None: Slurm decides by free cores), the job's task count
-    (which srun inherits, as SLURM_NTASKS or, without -n, one per node). Measured with slurm-wlm 22.05 on the test
-    cluster (tests/test_placement_slurm.py): --ntasks-per-node=k reserves k tasks' cores on every node and
-    --ntasks=n then runs n of them; without it -n 6 -N 3 got 4,1,1 and -n 6 -N 2 -c 10 got 4,2."""
+    (which srun inherits, as SLURM_NTASKS or, without -n, one per node): slurm-wlm 22.05's placement as measured on
+    the test cluster (docs/checker.md, section 10)."""
     n, k, cap = job.ntasks, job.ntasks_per_node, node_cap(job)
     nodes = job.nodes
     if nodes is None:
@@ -1986,12 +1983,10 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
         job.placement = "possible"  # go on with one packing Slurm may make (what idle nodes got)
         caps = packing(ntasks, nodes, node_cap(job))
     # the step fits its tasks in the allocation's cores; srun 22.05 does not read SLURM_CPUS_PER_TASK, so without
-    # srun -c a task takes 1 core (measured: -N 1 -c 10, then srun -n 2 ran 2 tasks; -N 2 -n 6 -c 10 held 4,2
-    # tasks and srun placed 3,3)
+    # srun -c a task takes 1 core (measured: docs/checker.md, section 10)
     held = caps[:m_step]
     if job.ntasks_per_node and ntasks > 1:  # slurmctld then reserves k tasks' cores on every node, whatever -n
-        held = [max(c, job.ntasks_per_node) for c in held]  # (job_mgr.c: pn_min_cpus = cpus_per_task x k; measured:
-        # -N 2 -n 2 --ntasks-per-node 2 held 2 cores a node, and srun -N 1 ran both tasks on the first)
+        held = [max(c, job.ntasks_per_node) for c in held]  # (job_mgr.c: pn_min_cpus = cpus_per_task x k)
     caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in held]
     if n_step > sum(caps):
         findings.error("step-too-many-tasks",
@@ -2060,10 +2055,8 @@ def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findin
 
 def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) -> int | None:
     """GPUs per node from --gres, --gpus-per-node, --gpus-per-task and --gpus, with the pairs Slurm refuses or
-    resolves against the user. Measured on slurm-wlm 22.05 (tests/test_sbatch_rules.py): --gres=gpu:2 with
-    --gpus-per-node=4 is accepted with the job keeping gpu:2 and every srun step then fails; --gres with a
-    --gpus-per-task that doesn't multiply to it, or a --gpus that isn't --gres x nodes, is refused at submission.
-    SchedMD's testsuite (testsuite/expect/test39.4) expects the same refusals from later releases."""
+    resolves against the user, as slurm-wlm 22.05 did on the test cluster (docs/checker.md, section 10) and
+    SchedMD's testsuite (testsuite/expect/test39.4) expects from later releases."""
     gres, gpn, gpt, total = job.gres_gpus, job.gpus_per_node, job.gpus_per_task, job.gpus_total
     nodes, busiest = len(tasks_per_node), max(tasks_per_node)
     if gres and gpn and gres != gpn:

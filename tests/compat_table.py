@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""The README's compatibility table, written from what the matrix's lanes really showed.
+"""The compatibility table (docs/releases.md), written from what the matrix's lanes really showed.
 
 Each lane of `make test` (one venv per torch release) writes KIT_COMPAT_DIR/torch-<version>.json (tests/conftest.py):
 per column, the compat-marked tests that passed, failed, or passed by checking the release's refusal. Then:
     python tests/compat_table.py report/compat                  # print the table
-    python tests/compat_table.py report/compat --write README.md  # put it between the README's markers
-    python tests/compat_table.py report/compat --check README.md  # fail when the README says otherwise
+    python tests/compat_table.py report/compat --write docs/releases.md  # between its markers
+    python tests/compat_table.py report/compat --check docs/releases.md  # fail when it says otherwise
 """
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path, help="the folder the lanes wrote (KIT_COMPAT_DIR)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--write", type=Path, metavar="README", help="replace the table between the markers")
-    g.add_argument("--check", type=Path, metavar="README", help="exit 1 if the README's table differs")
+    g.add_argument("--write", type=Path, metavar="DOC", help="replace the table between the markers")
+    g.add_argument("--check", type=Path, metavar="DOC", help="exit 1 if the document's table differs")
     args = p.parse_args(argv)
     found = rows(args.results)
     if not found:
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         wrong = [r for r in found if documented.get(r) != found[r]]
         missing = [r for r in documented if r not in found]
         for r in wrong:
-            print(f"compat_table: torch {r}: README says\n  {documented.get(r, '(no row)')}\nbut the lane gave\n"
+            print(f"compat_table: torch {r}: {args.check} says\n  {documented.get(r, '(no row)')}\nbut the lane gave\n"
                   f"  {found[r]}", file=sys.stderr)
         if missing:
             msg = f"no lane result for torch {', '.join(missing)} (its lane did not run)"
@@ -97,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(f"compat_table: not checked: {msg}")
         if wrong:
-            print("compat_table: the README's table differs from what the lanes showed; run `make compat-table` "
-                  "and commit it", file=sys.stderr)
+            print(f"compat_table: the table in {args.check} differs from what the lanes showed; "
+                  "run `make compat-table` and commit it", file=sys.stderr)
             return 1
-        print(f"compat_table: README agrees with the lanes for torch {', '.join(found)}")
+        print(f"compat_table: {args.check} agrees with the lanes for torch {', '.join(found)}")
         return 0
     print(table(found))
     return 0

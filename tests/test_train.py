@@ -34,7 +34,7 @@ def epochs_of(jsonl: Path) -> list[dict]:
 
 
 # ---- training: several replicas, nb_part 2 ------------------------------------------------------------------------
-# `core` (the matrix runs it on every release) on 2 tasks; the compat mark names the README table's column
+# `core` (the matrix runs it on every release) on 2 tasks; the compat mark names the compatibility table's column
 @pytest.mark.parametrize("engine", [pytest.param(e, marks=pytest.mark.compat(f"replica {e}")) for e in ENGINES])
 @pytest.mark.parametrize("ntasks", [pytest.param(2, marks=pytest.mark.core), 4])
 def test_replicas_train_in_sync_and_learn(tmp_path, engine, ntasks):
