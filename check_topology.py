@@ -581,11 +581,7 @@ def _layer_forward(z: _Dims, t: _Tape, keep_input: bool = False) -> None:
     if low:
         t.op(w_out=a * z.d * z.d)
     t.op(done=(out,), o1=a * E)
-    o = "o1"
-    if z.drop:
-        t.op(o, done=("m1",), m1=z.mask(E, a), od1=a * E)
-        o = "od1"
-    t.op(o, s1=4 * E)
+    _out_of_branch(z, t, "o1", "m1", "od1", "s1")
     t.op(done=("s1", "st1"), x1=4 * E, st1=8 * z.n)
     if low:
         t.op(w1=a * z.d * z.dh, x1c=a * E)
@@ -596,15 +592,19 @@ def _layer_forward(z: _Dims, t: _Tape, keep_input: bool = False) -> None:
     if low:
         t.op(w2=a * z.d * z.dh)
     t.op(done=("rd" if z.drop else "r",), f=a * E)
-    o = "f"
-    if z.drop:
-        t.op(o, done=("m3",), m3=z.mask(E, a), fd=a * E)
-        o = "fd"
-    t.op(o, s2=4 * E)
+    _out_of_branch(z, t, "f", "m3", "fd", "s2")
     t.op(done=("s2", "st2"), y=4 * E, st2=8 * z.n)
     # x1 and x are held by the Layer's frame (`x = self.norm2(x + ...)`) and its caller until it returns
     t.op("x1" if low else None, "x" if not x_saved and not keep_input else None,
          done=(() if low else ("x1",)) + (("x",) if x_saved and not keep_input else ()))
+
+
+def _out_of_branch(z: _Dims, t: _Tape, out: str, mask: str, dropped: str, total: str) -> None:
+    """A branch's output through its dropout (the mask saved) into the residual sum, fp32 like the residual."""
+    if z.drop:
+        t.op(out, done=(mask,), **{mask: z.mask(z.d * z.n, z.a), dropped: z.a * z.d * z.n})
+        out = dropped
+    t.op(out, **{total: 4 * z.d * z.n})
 
 
 def _attention_backward(z: _Dims, t: _Tape) -> None:
@@ -673,52 +673,53 @@ def _layer_backward(z: _Dims, mode: str, ckpt: bool) -> _Tape:
     t.op("y")
     t.op("g", "s2", "st2", gs2=4 * E)
     t.grad("norm2", 0, p["norm2"], mode)
-    g = None
-    if low:
-        t.op(gfc=a * E)
-        g = "gfc"
-    if z.drop:
-        t.op(g, "m3", gfd=a * E)
-        g = "gfd"
-    t.op(gr=a * H)
-    t.wgrad("linear2", lw, p["linear2"])
-    t.op(g, "rd" if z.drop else None, "w2" if low else None)
-    t.keep("linear2", lw, p["linear2"], mode)
+    g = _into_branch(z, t, "gfc", "m3", "gfd")
+    _linear_backward(t, "linear2", lw, p["linear2"], dict(gr=a * H), (g, "rd" if z.drop else None,
+                                                                       "w2" if low else None), mode)
     if z.drop:
         t.op("gr", "m2", grr=a * H)
     t.op("grr" if z.drop else "gr", "r", gh=a * H)
-    t.op(gx1c=a * E)
-    t.wgrad("linear1", lw, p["linear1"])
-    t.op("gh", *(("x1c", "w1") if low else ("x1",)))
-    t.keep("linear1", lw, p["linear1"], mode)
+    _linear_backward(t, "linear1", lw, p["linear1"], dict(gx1c=a * E),
+                     ("gh", *(("x1c", "w1") if low else ("x1",))), mode)
     if low:
         t.op("gx1c", gx1f=4 * E)
     t.add("gs2", "gx1f" if low else "gx1c", "gx1")
     t.op("gx1", "s1", "st1", gs1=4 * E)
     t.grad("norm1", 0, p["norm1"], mode)
-    g = None
-    if low:
-        t.op(goc=a * E)
-        g = "goc"
-    if z.drop:
-        t.op(g, "m1", gdo=a * E)
-        g = "gdo"
-    t.op(ga=a * E)
-    t.wgrad("out_proj", lw, p["out_proj"])
-    t.op(g, "att2" if z.attn != "flash" else None, "w_out" if low else None)
-    t.keep("out_proj", lw, p["out_proj"], mode)
+    g = _into_branch(z, t, "goc", "m1", "gdo")
+    _linear_backward(t, "out_proj", lw, p["out_proj"], dict(ga=a * E),
+                     (g, "att2" if z.attn != "flash" else None, "w_out" if low else None), mode)
     _attention_backward(z, t)
     _split_backward(z, t)
-    t.op(gx=a * E)
-    t.wgrad("in_proj", lw, p["in_proj"])
-    t.op("zc", "xin" if z.nb > 1 else "xc" if low else "x", "w_in" if low else None)
-    t.keep("in_proj", lw, p["in_proj"], mode)
+    _linear_backward(t, "in_proj", lw, p["in_proj"], dict(gx=a * E),
+                     ("zc", "xin" if z.nb > 1 else "xc" if low else "x", "w_in" if low else None), mode)
     if low:
         t.op("gx", gxf=4 * E)
     t.add("gs1", "gxf" if low else "gx", "gin")
     if "x" in t.alive:  # the input kept by the checkpoint, released with the Layer's graph
         t.op("x")
     return t
+
+
+def _into_branch(z: _Dims, t: _Tape, cast: str, mask: str, out: str) -> str | None:
+    """The residual's gradient into a branch: cast to the branch's dtype under autocast, then through its dropout
+    (the mask freed); returns the name of what the branch's last Linear gets (None: the residual's gradient)."""
+    g = None
+    if z.a < 4:
+        t.op(**{cast: z.a * z.d * z.n})
+        g = cast
+    if z.drop:
+        t.op(g, mask, **{out: z.a * z.d * z.n})
+        g = out
+    return g
+
+
+def _linear_backward(t: _Tape, name: str, low: int, numel: int, grad_input: dict, free: tuple, mode: str) -> None:
+    """A Linear's backward node: the input's gradient, the weight's, then its inputs and saved tensors freed."""
+    t.op(**grad_input)
+    t.wgrad(name, low, numel)
+    t.op(*free)
+    t.keep(name, low, numel, mode)
 
 
 def _encoder_forward(z: _Dims, t: _Tape) -> None:
@@ -730,16 +731,6 @@ def _encoder_forward(z: _Dims, t: _Tape) -> None:
     if z.drop:
         t.op("e", me=z.mask(E // 4, 4), ed=E)
         t.rename("ed", "e")
-
-
-def _grad_into(t: _Tape, name: str, mode: str) -> None:
-    """Gradient `new_<name>` (fp32, computed) into the weight's gradient by `mode` (see _Tape.grad)."""
-    if mode == "steal":
-        t.rename(f"new_{name}", f"grad_{name}")
-    elif mode == "add":
-        t.add(f"grad_{name}", f"new_{name}", f"grad_{name}")
-    else:
-        t.op(f"new_{name}")
 
 
 def _encoder_backward(z: _Dims, mode: str) -> _Tape:
@@ -754,7 +745,7 @@ def _encoder_backward(z: _Dims, mode: str) -> _Tape:
     t.op("g", gs=E)
     t.op(etmp=0 if z.cpu else 32 * z.n + 4 * z.d * (z.n // 4 + min(z.n, z.vocab)))
     t.op("etmp", "gs", new_emb=V)
-    _grad_into(t, "emb", mode)
+    t.keep("emb", 0, z.vocab * z.d, mode)
     return t
 
 
@@ -832,6 +823,7 @@ def _forward(kind: str, z: _Dims, ckpt: bool) -> dict:
         forward(z, fw)
     kept = {k: v for k, v in fw.alive.items() if k != _OUTPUT[kind]}
     saved = {"x": 4 * z.d * z.n} if ckpt else kept
+    kept = {**kept, **saved}  # checkpointed: its input, kept by the checkpoint
     names = set(saved)
     return dict(fw=_terms(fw.at_peak, names), kept=_terms(kept, names), saved=_terms(saved, names),
                 names=frozenset(full.alive) | {"x"})
