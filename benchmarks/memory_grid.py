@@ -291,7 +291,26 @@ def init_process_group() -> None:
 
 def replica_step(row: dict, precision: str, ckpt: bool, traced: bool = True) -> dict:
     """The trainer's Replica, two steps, then the third measured: per part by MemTracker (traced), or the whole
-    process by malloc without a dispatch mode (traced=False)."""
+    process by malloc without a dispatch mode (traced=False). In a thread of its own, as the trainer's main thread
+    is new: autograd runs ready nodes by sequence number, counted per thread, so a thread that built many graphs
+    before would change the order of the backward (fairscale's Copy nodes, built in this thread, run last only
+    while its count is below its workers')."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(_replica_step(row, precision, ckpt, traced))
+        except BaseException as exc:  # noqa: BLE001  raised again in the caller's thread
+            result.append(exc)
+    thread = threading.Thread(target=run, name="replica-step")
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _replica_step(row: dict, precision: str, ckpt: bool, traced: bool) -> dict:
     init_process_group()
     cfg = bench.parse_args(trainer_args(row, precision, ckpt) + ["--nb-part", str(row["nb_part"])])
     bench.resolve(cfg, cuda=False)
