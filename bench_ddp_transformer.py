@@ -509,8 +509,9 @@ def memory_estimate(cfg: argparse.Namespace, plan: check_topology.TaskPlan, nb_p
         device = plan.device(0)
         arch = "sm80" if torch.cuda.get_device_capability(device) >= (8, 0) else "sm70"
         gpu_gib = torch.cuda.get_device_properties(device).total_memory / check_topology.GIB
-    line = check_topology.memory_line(model, t, nb_part, replicas, gpu_gib, arch)
-    return line, check_topology.worst_part(model, t, nb_part, replicas, arch).total / check_topology.GIB
+    release = check_topology.version_tuple(torch.__version__)
+    line = check_topology.memory_line(model, t, nb_part, replicas, gpu_gib, arch, release)
+    return line, check_topology.worst_part(model, t, nb_part, replicas, arch, release).total / check_topology.GIB
 
 
 def check_precision(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> None:

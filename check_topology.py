@@ -980,9 +980,8 @@ def stage_actions(schedule: str, pp: int, virtual: int, chunks: int, rank: int) 
 def _stage_static(model: dict, t: "Training", z: _Dims, s: int, stages: int, replicas: int,
                   layers: int) -> tuple[dict, int, tuple[int, ...]]:
     """A stage's weights, AdamW state (under --zero the worst rank's share over its dp group), DDP buckets, inputs
-    and receive buffers (pipelining keeps one per micro-batch for the activation it receives and one for the
-    gradient: PipelineStage._prepare_forward_infra, _prepare_backward_infra), and the gradients of its inputs,
-    which accumulate on those buffers until the next step (stage.py clear_runtime_states, _backward.py)."""
+    and receive buffers: pipelining keeps one per micro-batch for the activation it receives and one for the
+    gradient (PipelineStage._prepare_forward_infra, _prepare_backward_infra)."""
     first, last = s == 0, s == stages - 1
     params = _part_params(model, layers, first, last)
     numel = sum(params)
@@ -995,11 +994,13 @@ def _stage_static(model: dict, t: "Training", z: _Dims, s: int, stages: int, rep
 
 
 def estimate_stage_memory(model: dict, t: "Training", pp: int, replicas: int, arch: str = "sm80",
-                          traced: bool = False) -> list[PartMemory]:
+                          traced: bool = False, torch: tuple[int, int] | None = None) -> list[PartMemory]:
     """Per task of one pipeline of the stage layout (bench_stage.py: a task per GPU, --pp tasks a pipeline, DDP over
     each stage's `replicas`), the bytes it holds at the peak of a step, its schedule replayed (stage_actions). Each
     micro-batch's backward is its own autograd call there, so weight gradients are added in place after the first;
-    a stage keeps each micro-batch's output until its backward (fwd_cache)."""
+    a stage keeps each micro-batch's output until its backward (fwd_cache). The gradient of a stage's input is left
+    on its receive buffer until the next step by torch 2.4 to 2.8 (_backward.py stage_backward); 2.13 and 2.14 drop
+    it once sent (`val.grad = None`): releases in between, or `torch` unknown, are taken to keep it."""
     _check_model(model, t, arch)
     virtual = stages_per_rank(t.schedule, t.virtual_stages)
     if pp < 1 or replicas < 1 or t.schedule not in SCHEDULES or virtual < 1:
@@ -1008,11 +1009,16 @@ def estimate_stage_memory(model: dict, t: "Training", pp: int, replicas: int, ar
     m, stages = model["chunks"], pp * virtual
     z = _dims(model, t, -(-model["batch_size"] // m), arch, traced)
     sizes, contents = part_sizes(model["nlayers"], stages), part_contents(model["nlayers"], stages)
-    return [_stage_task(model, t, z, rank, pp, virtual, replicas, arch, sizes, contents) for rank in range(pp)]
+    # what a task keeps of each micro-batch after its backward: the gradient of a stage's input, left on its receive
+    # buffer (torch <= 2.8); with several stages a task (2.13's _PipelineScheduleRuntime) every tensor it sent, the
+    # sends waited for at the end of the step only (schedules.py: `while len(send_ops)`), 2.6 and 2.8 waited each
+    retains = (torch is None or torch < (2, 13), virtual > 1 and (torch is None or torch >= (2, 13)))
+    return [_stage_task(model, t, z, rank, pp, virtual, replicas, arch, sizes, contents, retains)
+            for rank in range(pp)]
 
 
 def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtual: int, replicas: int, arch: str,
-                sizes: list[int], contents: list[str]) -> PartMemory:
+                sizes: list[int], contents: list[str], retains: tuple[bool, bool]) -> PartMemory:
     """One task of the stage layout: its stages' state, then its schedule replayed, the largest moment kept."""
     E, m, stages = 4 * z.d * z.n, model["chunks"], pp * virtual
     ids = [rank + k * pp for k in range(virtual)]
@@ -1025,7 +1031,7 @@ def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtua
         kept = _add((1, stack["mb"]), (1, {"activations": E if s < stages - 1 else 0}))  # the output kept
         if s > 0 and (t.activation_checkpointing or (z.nb == 1 and z.a == 4)):
             kept["activations"] -= E  # the first Layer keeps its input: the receive buffer itself
-        st.append(dict(stack, mb=kept, input_grad=E if s > 0 else 0))
+        st.append(dict(stack, mb=kept, input_grad=E if s > 0 else 0, output=E if s < stages - 1 else 0))
     size = [{key: sum(s[key].values()) for key in ("mb", "fw", "bw0", "bw1")} for s in st]
     alive, done, grads, held, held_bytes, best = [0] * virtual, [False] * virtual, 0, 0, 0, (-1, None)
     for i, (kind, k) in enumerate(stage_actions(t.schedule, pp, virtual, m, rank)):
@@ -1041,7 +1047,9 @@ def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtua
             alive[k] -= 1
             held_bytes -= size[k]["mb"]
             grads += 0 if done[k] else st[k]["grads"]
-            done[k], held = True, held + st[k]["input_grad"]
+            done[k] = True
+            held = held + st[k]["input_grad"] if any(retains) else max(held, st[k]["input_grad"])
+            held += st[k]["output"] if retains[1] else 0
         else:
             alive[k] += 1
             held_bytes += size[k]["mb"]
@@ -1063,12 +1071,16 @@ def _stage_alive(schedule: str, pp: int, virtual: int, chunks: int, rank: int) -
     return most
 
 
-def worst_part(model: dict, t: "Training", nb_part: int, replicas: int, arch: str = "sm80") -> PartMemory:
+def worst_part(model: dict, t: "Training", nb_part: int, replicas: int, arch: str = "sm80",
+               torch: tuple[int, int] | None = None) -> PartMemory:
     """The GPU that needs the most: the worst part of the replica layout, or the worst task of the stage layout
-    (nb_part is then --pp)."""
-    parts = (estimate_stage_memory(model, t, nb_part, replicas, arch) if t.layout == "stage"
+    (nb_part is then --pp; `torch` the release, which changes what the stage layout keeps)."""
+    parts = (estimate_stage_memory(model, t, nb_part, replicas, arch, torch=torch) if t.layout == "stage"
              else estimate_memory(model, t, nb_part, replicas, arch))
     return max(parts, key=lambda m: m.total)
+
+
+_worst = worst_part
 
 
 def format_memory(parts: list[PartMemory], gpu_gib: float | None = None) -> str:
@@ -1084,9 +1096,9 @@ def format_memory(parts: list[PartMemory], gpu_gib: float | None = None) -> str:
 
 
 def memory_line(model: dict, t: "Training", nb_part: int, replicas: int, gpu_gib: float | None = None,
-                arch: str = "sm80") -> str:
+                arch: str = "sm80", torch: tuple[int, int] | None = None) -> str:
     """The trainers' start-up line: the estimate of their layout (nb_part is --pp in the stage layout)."""
-    parts = (estimate_stage_memory(model, t, nb_part, replicas, arch) if t.layout == "stage"
+    parts = (estimate_stage_memory(model, t, nb_part, replicas, arch, torch=torch) if t.layout == "stage"
              else estimate_memory(model, t, nb_part, replicas, arch))
     return format_memory(parts, gpu_gib)
 
@@ -1104,10 +1116,11 @@ def shared_gpu_memory(parts: list[PartMemory], devices: list[int] | None) -> tup
 
 
 def memory_fixes(model: dict, t: "Training", nb_part: int, replicas: int, tpn: int, gib: float,
-                 v100: bool) -> list[str]:
+                 v100: bool, torch: tuple[int, int] | None = None) -> list[str]:
     """The cheap fixes for a GPU that does not fit, each with its own new estimate (re-estimated, not scaled).
     nb_part is --pp in the stage layout."""
     arch, low = ("sm70", "fp16") if v100 else ("sm80", "bf16")
+    worst_part = lambda *a: _worst(*a, torch=torch)  # noqa: E731
     stage = t.layout == "stage"
     tries: list[tuple[str, dict, Training, int, int]] = []
     if not t.activation_checkpointing:
@@ -2465,7 +2478,8 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
     model = model_args(t)
     stage = t.layout == "stage"
     try:
-        parts = (estimate_stage_memory(model, t, nb_part, replicas, "sm70" if v100 else "sm80") if stage
+        parts = (estimate_stage_memory(model, t, nb_part, replicas, "sm70" if v100 else "sm80",
+                                       torch=torch_version_of(job.torch_module)) if stage
                  else estimate_memory(model, t, nb_part, replicas, "sm70" if v100 else "sm80"))
     except ValueError:
         return None  # chunks/batch/schedule already reported by check_training and check_stage
@@ -2491,7 +2505,7 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
            f" GiB alive on this task" if stage else
            f"activations are {worst.alive} micro-batch(es) of {worst.per_micro_batch / GIB:.2f} GiB, all alive: with "
            f"checkpoint=\"never\" GPipe keeps every micro-batch until its backward, so more --chunks do not help")
-    fixes = memory_fixes(model, t, nb_part, replicas, tpn, gib, v100)
+    fixes = memory_fixes(model, t, nb_part, replicas, tpn, gib, v100, torch_version_of(job.torch_module))
     findings.error("does-not-fit",
                    f"{worst.unit} {worst.part} ({worst.contents}) needs an estimated {worst.total / GIB:.1f} GiB per "
                    f"GPU but the GPU has {gib:.1f} GiB ({source}); peak at {worst.peak_at}, GiB: {terms}; {why}. "

@@ -478,7 +478,8 @@ def compare_stage(conf: dict) -> list[dict]:
     model = dict(STAGE_MODEL, chunks=conf["chunks"], dropout=conf["dropout"])
     t = check_topology.Training(layout="stage", pp=conf["pp"], schedule=conf["schedule"], virtual_stages=2,
                                 precision=conf["precision"], activation_checkpointing=conf["ckpt"], zero=conf["zero"])
-    est = check_topology.estimate_stage_memory(model, t, conf["pp"], conf["replicas"], arch="cpu", traced=True)
+    est = check_topology.estimate_stage_memory(model, t, conf["pp"], conf["replicas"], arch="cpu", traced=True,
+                                               torch=check_topology.version_tuple(torch.__version__))
     rows = []
     for m in got[:conf["pp"]]:
         e = est[m["pp_rank"]]
