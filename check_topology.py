@@ -847,6 +847,9 @@ def _stack(z: _Dims, ckpt: bool, layers: int, first: bool, last: bool, later: st
     added to by mode `later`), and `grads` the part's weight gradients. Layers are identical, so of the Layers only
     the first and the last back can hold the peak: nothing here grows with the number of Layers."""
     kinds = (["enc"] if first else []) + (["layer"] if layers else []) + (["dec"] if last else [])
+    if not kinds:  # a part with no block (nlayers < nb_part: refused by the checks, still estimated)
+        zero = dict.fromkeys(("mb", "fw", "bw0", "bw1"), {})
+        return dict(zero, grads=0, size=dict.fromkeys(zero, 0))
     count = {"enc": 1, "layer": layers, "dec": 1}
     fwd = {k: _forward(k, z, ckpt) for k in kinds}
     bwd = {(k, mode): _backward(k, z, ckpt, mode) for k in kinds for mode in ("steal", later)}
@@ -910,6 +913,20 @@ def allowance(peak: int, arch: str) -> int:
     return 0 if arch == "cpu" else int(ALLOWANCE_GIB * GIB + ALLOWANCE_FRACTION * peak)
 
 
+def _worker_holds(part: int, nb_part: int, io: int, arch: str, chunks: int) -> tuple[dict, dict]:
+    """What fairscale's Pipe keeps of its last task: a worker thread holds the task it ran last and that task's
+    output in its locals until the next task comes (fairscale/nn/pipe/worker.py), i.e. through the backward and the
+    step, and the micro-batch before during a forward. On a GPU each device has its worker: every part keeps its
+    last micro-batch's input (the first part's is the token ids, counted already) and output (`io` bytes each; the
+    last part's is the logits). On the CPU one worker runs every part: the last part keeps its last input only.
+    Returns the terms (through the backward, during the last forward)."""
+    last = part == nb_part - 1
+    if arch == "cpu":
+        return {"transient": io if last and nb_part > 1 else 0}, {}
+    return ({"transient": io * ((part > 0) + (not last))},
+            {"transient": io if not last and chunks > 1 else 0})
+
+
 @lru_cache(maxsize=1024)
 def _replica_zero(d: int, dh: int, vocab: int, nlayers: int, nb_part: int, replicas: int) -> tuple[int, ...]:
     model = dict(d_model=d, d_hid=dh, vocab_size=vocab, nlayers=nlayers)
@@ -939,11 +956,13 @@ def estimate_memory(model: dict, t: "Training", nb_part: int, replicas: int, arc
         static = dict(params=4 * numel, optimizer=8 * owned, buckets=4 * numel,
                       buffers=4 * seq * z.d if first else 0, inputs=8 * batch * ((seq if first else 0) + last))
         s = _stack(z, t.activation_checkpointing, layers, first, last, "add")
-        moments = {"forward": [(m - 1, "mb"), (1, "fw")],
-                   "backward, first micro-batch back": [(m - 1, "mb"), (1, "bw0")],
-                   "optimizer step": [(1, {"grads": s["grads"], "transient": _step_temporary(params, owned, arch)})]}
+        held, previous = _worker_holds(p, nb_part, 4 * z.d * z.n, arch, m)
+        moments = {"forward": [(m - 1, "mb"), (1, "fw"), (1, previous)],
+                   "backward, first micro-batch back": [(m - 1, "mb"), (1, "bw0"), (1, held)],
+                   "optimizer step": [(1, {"grads": s["grads"], "transient": _step_temporary(params, owned, arch)}),
+                                      (1, held)]}
         if m > 1:  # the gradient of the first one's input still waits here: fairscale's Copy runs last
-            moments["backward, a later micro-batch"] = [(m - 2, "mb"), (1, "bw1"),
+            moments["backward, a later micro-batch"] = [(m - 2, "mb"), (1, "bw1"), (1, held),
                                                         (0 if first else 1, {"transient": 4 * z.d * z.n})]
         out.append(_part_memory(p, contents, static, moments, s, m, arch))
     return out

