@@ -350,6 +350,11 @@ def parse_devices(value: str, where: str, findings: Findings) -> list[int] | Non
 #     the mask and the dropped weights, in fp32 under autocast too: attention.cpp upcasts half inputs on the CPU).
 #   - dropout: CUDA's fused native_dropout keeps a bool mask; the CPU keeps a mask in the input's dtype
 #     (aten/src/ATen/native/Dropout.cpp, is_fused_kernel_acceptable).
+#   - fairscale's Pipe (measured on the CPU, read in fairscale 0.4.13): a worker thread keeps the task it ran last,
+#     with its input and output, until the next one comes (_worker_holds); fairscale's Copy of a gradient back to the
+#     part before runs after everything else that is ready (its node is built in the main thread, whose autograd
+#     sequence numbers are the lowest), so a later micro-batch's backward finds the first one's input gradient still
+#     there.
 #   - gradient accumulation (traced): autograd adds a gradient into one already waiting in place when it holds the
 #     only reference (torch/csrc/autograd/input_buffer.cpp), and at::linear adds the bias in place; under any
 #     TorchDispatchMode (MemTracker is one) both go out of place (isTensorSubclassLike is true when a dispatch mode
