@@ -56,7 +56,8 @@ def test_estimate_within_targets_of_measured_peak(row, precision, ckpt):
     for r in rows:
         assert 1 - memory_grid.LOW <= r["ratio"] <= 1 + memory_grid.HIGH, (r["part"], r["ratio"], r["kinds"])
     assert rows[0]["buckets_measured"] == rows[0]["buckets_estimated"]
-    assert 0.9 < rows[0]["malloc_vs_tracker"] < 1.1  # the allocator agrees with the tracker's count
+    # the allocator saw at least what the tracker counted (the rest is the CPU's own: oneDNN, Python objects)
+    assert 0.99 < rows[0]["malloc_vs_tracker"] < 1.5
 
 
 @needs_memtracker
@@ -80,15 +81,17 @@ def test_stage_estimate_within_targets_of_measured_peak():
 
 @needs_memtracker
 def test_chunks_do_not_lower_the_measured_peak():
-    """GPipe with checkpoint="never" keeps every micro-batch alive until its backward (measured, not assumed): four
-    times the chunks leave the peak where it was; checkpointing lowers it."""
+    """GPipe with checkpoint="never" keeps every micro-batch alive until its backward (measured, not assumed): with
+    four times the chunks the activations alive at the peak are the same (only the running op's temporaries shrink
+    with the micro-batch); checkpointing lowers them."""
     base = dict(d_model=64, n_head=4, d_hid=128, seq_len=64, batch_size=16, nb_part=2, dropout=0.0)
     one = memory_grid.replica_step(dict(base, chunks=1), "fp32", False)["parts"]
     four = memory_grid.replica_step(dict(base, chunks=4), "fp32", False)["parts"]
     ckpt = memory_grid.replica_step(dict(base, chunks=4), "fp32", True)["parts"]
     for a, b, c in zip(one, four, ckpt):
-        assert b["peak"] > 0.9 * a["peak"], (a, b)
-        assert c["peak"] < 0.6 * b["peak"], (b, c)
+        acts = [x["kinds"]["Activation"] for x in (a, b, c)]
+        assert acts[1] > 0.95 * acts[0], acts
+        assert acts[2] < 0.5 * acts[1], acts
 
 
 def test_zero_partition_is_torchs():
