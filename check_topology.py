@@ -329,12 +329,14 @@ def parse_devices(value: str, where: str, findings: Findings) -> list[int] | Non
 #   params, optimizer   fp32 weights (autocast keeps them: they are the master copy) and AdamW's exp_avg, exp_avg_sq;
 #             under --zero the worst rank's share, partitioned as ZeroRedundancyOptimizer does (_partition_parameters)
 #   buckets   DDP's gradient buckets, a copy of the gradients (gradient_as_bucket_view=False, reducer.cpp)
-#   buffers, inputs   the positional table; the batch's token ids (first part) and labels (last part)
+#   buffers, inputs   the positional table (and the stage layout's receive buffers); the batch's token ids (first
+#             part) and labels (last part)
 #   grads     the weight gradients filled so far (fp32)
 #   activations   what autograd saved for the backward, of every micro-batch alive
 #   weight_copies   under bf16/fp16 autocast, the low-precision copy of each matmul weight saved, per micro-batch
 #   recompute     under --activation-checkpointing, the recomputed Layer's saved tensors
-#   transient     what the running op holds besides: gradients in flight, temporaries
+#   transient     what the running op holds besides (gradients in flight, temporaries), and what is kept past its
+#                 use (fairscale's last task, the stage layout's input gradients and sends not yet waited for)
 #   allowance     CUDA context, cuBLAS/NCCL workspaces, the caching allocator's slack: stated, not measured
 #                 (ALLOWANCE_GIB plus ALLOWANCE_FRACTION of the rest); a tracker measures everything else
 # Kernels, by `arch` (assumptions read in torch's sources, checked on a GPU only by benchmarks/memory_gpu.py):
