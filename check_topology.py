@@ -423,11 +423,22 @@ def _replica_params(model: dict, nb_part: int) -> list[tuple[int, int]]:
     return out
 
 
-def _part_params(model: dict, layers: int, first: bool, last: bool) -> tuple[int, ...]:
-    """Elements of each parameter of a part holding `layers` Layers (plus the Encoder, the Decoder)."""
+def _part_params(model: dict, layers: int, first: bool, last: bool) -> tuple[int, int]:
+    """Elements of a part holding `layers` Layers (plus the Encoder, the Decoder), and of its largest parameter."""
     d, dh = model["d_model"], model["d_hid"]
-    return (((model["vocab_size"] * d,) if first else ()) + tuple(_layer_params(d, dh)) * layers
-            + ((dh * d, dh, 2 * dh, 2) if last else ()))
+    layer = _layer_params(d, dh)
+    sizes = ([model["vocab_size"] * d] if first else []) + ([max(layer)] if layers else []) + ([dh * d] if last else [])
+    numel = ((model["vocab_size"] * d if first else 0) + layers * sum(layer)
+             + (dh * d + dh + 2 * dh + 2 if last else 0))
+    return numel, max(sizes, default=0)
+
+
+@lru_cache(maxsize=1024)
+def _stage_zero(d: int, dh: int, vocab: int, layers: int, first: bool, last: bool, replicas: int) -> int:
+    """The most elements one rank of a stage's dp group owns under ZeroRedundancyOptimizer."""
+    params = (([vocab * d] if first else []) + _layer_params(d, dh) * layers
+              + ([dh * d, dh, 2 * dh, 2] if last else []))
+    return _zero_owned(tuple((n, 0) for n in params), 1, replicas)[0]
 
 
 def _zero_shares(params: list[tuple[int, int]], nb_part: int, replicas: int) -> list[int]:
@@ -885,10 +896,10 @@ def _dims(model: dict, t: "Training", micro: int, arch: str, traced: bool) -> _D
                  attn=attention_kernel(arch, t.precision, d // max(h, 1), drop), traced=traced)
 
 
-def _step_temporary(params: list[int], owned: int, arch: str) -> int:
+def _step_temporary(largest: int, owned: int, arch: str) -> int:
     """AdamW's temporaries in its step: on CUDA the foreach path's sqrt of all exp_avg_sq of the device (the
     `owned` elements), on the CPU the per-tensor path's sqrt and quotient of the largest parameter."""
-    return 8 * max(params, default=0) if arch == "cpu" else 4 * owned
+    return 8 * largest if arch == "cpu" else 4 * owned
 
 
 def _check_model(model: dict, t: "Training", arch: str) -> None:
@@ -957,8 +968,7 @@ def estimate_memory(model: dict, t: "Training", nb_part: int, replicas: int, arc
     for p, (layers, contents) in enumerate(zip(part_sizes(model["nlayers"], nb_part),
                                                part_contents(model["nlayers"], nb_part))):
         first, last = p == 0, p == nb_part - 1
-        params = _part_params(model, layers, first, last)
-        numel = sum(params)
+        numel, largest = _part_params(model, layers, first, last)
         owned = zero[p] if zero else numel
         static = dict(params=4 * numel, optimizer=8 * owned, buckets=4 * numel,
                       buffers=4 * seq * z.d if first else 0, inputs=8 * batch * ((seq if first else 0) + last))
@@ -966,7 +976,7 @@ def estimate_memory(model: dict, t: "Training", nb_part: int, replicas: int, arc
         held, previous = _worker_holds(p, nb_part, 4 * z.d * z.n, arch, m)
         moments = {"forward": [(m - 1, "mb"), (1, "fw"), (1, previous)],
                    "backward, first micro-batch back": [(m - 1, "mb"), (1, "bw0"), (1, held)],
-                   "optimizer step": [(1, {"grads": s["grads"], "transient": _step_temporary(params, owned, arch)}),
+                   "optimizer step": [(1, {"grads": s["grads"], "transient": _step_temporary(largest, owned, arch)}),
                                       (1, held)]}
         if m > 1:  # the gradient of the first one's input still waits here: fairscale's Copy runs last
             moments["backward, a later micro-batch"] = [(m - 2, "mb"), (1, "bw1"), (1, held),
@@ -1004,19 +1014,18 @@ def stage_actions(schedule: str, pp: int, virtual: int, chunks: int, rank: int) 
 
 
 def _stage_static(model: dict, t: "Training", z: _Dims, s: int, stages: int, replicas: int,
-                  layers: int) -> tuple[dict, int, tuple[int, ...]]:
+                  layers: int) -> tuple[dict, int, int]:
     """A stage's weights, AdamW state (under --zero the worst rank's share over its dp group), DDP buckets, inputs
     and receive buffers: pipelining keeps one per micro-batch for the activation it receives and one for the
     gradient (PipelineStage._prepare_forward_infra, _prepare_backward_infra)."""
     first, last = s == 0, s == stages - 1
-    params = _part_params(model, layers, first, last)
-    numel = sum(params)
-    owned = _zero_owned(tuple((n, 0) for n in params), 1, replicas)[0] if t.zero else numel
+    numel, largest = _part_params(model, layers, first, last)
+    owned = (_stage_zero(z.d, z.dh, z.vocab, layers, first, last, replicas) if t.zero else numel)
     E, m = 4 * z.d * z.n, model["chunks"]
     static = dict(params=4 * numel, optimizer=8 * owned, buckets=4 * numel,
                   buffers=(4 * model["seq_len"] * z.d if first else 0) + m * E * ((not first) + (not last)),
                   inputs=8 * model["batch_size"] * ((model["seq_len"] if first else 0) + last))
-    return static, owned, params
+    return static, owned, largest
 
 
 def estimate_stage_memory(model: dict, t: "Training", pp: int, replicas: int, arch: str = "sm80",
@@ -1050,9 +1059,9 @@ def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtua
     ids = [rank + k * pp for k in range(virtual)]
     st, static, tmp = [], {}, 0
     for s in ids:
-        one, owned, params = _stage_static(model, t, z, s, stages, replicas, sizes[s])
+        one, owned, largest = _stage_static(model, t, z, s, stages, replicas, sizes[s])
         static = _add((1, static), (1, one))
-        tmp = max(tmp, _step_temporary(params, owned, arch))
+        tmp = max(tmp, _step_temporary(largest, owned, arch))
         stack = _stack(z, t.activation_checkpointing, sizes[s], s == 0, s == stages - 1, "add_")
         kept = _add((1, stack["mb"]), (1, {"activations": E if s < stages - 1 else 0}))  # the output kept
         if s > 0 and (t.activation_checkpointing or (z.nb == 1 and z.a == 4)):
