@@ -1188,8 +1188,8 @@ def memory_fixes(model: dict, t: "Training", nb_part: int, replicas: int, tpn: i
         out.append(f"all of --activation-checkpointing"
                    f"{f' --precision {precision}' if precision != t.precision else ''}"
                    f"{' --zero' if all_t.zero else ''} together: {est:.1f} GiB"
-                   + ("" if est <= gib else f" (still too big: use more GPUs per {'pipeline (--pp)' if stage else 'replica'}"
-                      " or a smaller model)"))
+                   + ("" if est <= gib else " (still too big: use more GPUs per "
+                      f"{'pipeline (--pp)' if stage else 'replica'} or a smaller model)"))
     return out
 
 

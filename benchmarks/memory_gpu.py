@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if per_term:
         print("\nper term, MemTracker / estimate (traced): weights, AdamW state, the rest of the peak (activations, "
               "weight copies, gradients, temporaries), the whole peak without buckets; then DDP's buckets")
-        print("| precision | ckpt | part | params | optimizer | rest | peak |\n| --- | --- | --- | ---: | ---: | ---: | ---: |")
+        print("| precision | ckpt | part | params | optimizer | rest | peak |\n"
+              "| --- | --- | --- | ---: | ---: | ---: | ---: |")
         print("\n".join(per_term))
     dist.destroy_process_group()
     return 0

@@ -496,8 +496,8 @@ def mib(n: float) -> str:
 
 
 def replica_table(rows: list[dict]) -> str:
-    lines = ["| d_model | n_head | d_hid | seq | batch | chunks | nb_part | dropout | precision | ckpt | part | measured "
-             "MiB | estimated MiB | estimate / measured | peak measured at | estimated at |",
+    lines = ["| d_model | n_head | d_hid | seq | batch | chunks | nb_part | dropout | precision | ckpt | part | "
+             "measured MiB | estimated MiB | estimate / measured | peak measured at | estimated at |",
              "|" + " ---: |" * 8 + " --- | --- |" + " ---: |" * 4 + " --- | --- |"]
     for r in rows:
         lines.append(f"| {r['d_model']} | {r['n_head']} | {r['d_hid']} | {r['seq_len']} | {r['batch_size']} | "
@@ -513,7 +513,8 @@ def stage_table(rows: list[dict]) -> str:
              "| ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"| {r['pp']} | {r['replicas']} | {r['schedule']} | {r['chunks']} | {r['precision']} | "
-                     f"{'yes' if r['ckpt'] else 'no'} | {'yes' if r['zero'] else 'no'} | {r['dropout']} | {r['part']} | "
+                     f"{'yes' if r['ckpt'] else 'no'} | {'yes' if r['zero'] else 'no'} | {r['dropout']} | "
+                     f"{r['part']} | "
                      f"{mib(r['measured'])} | {mib(r['estimated'])} | {r['ratio']:.3f} | {r['estimated_at']} |")
     return "\n".join(lines)
 
