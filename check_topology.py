@@ -1446,8 +1446,9 @@ CATCHES = {
     "engine-unavailable": ("error", "--engine torch-pipe with a pytorch-gpu/py3/2.4+ module"),
     "torch-too-old": ("error", "bench_stage.py with a pytorch-gpu/py3 module older than 2.4"),
     # memory (the section *Will it fit?*)
-    "does-not-fit": ("error", "a part's estimated peak memory above the GPU's"),
-    "memory-tight": ("warning", "a part's estimated peak memory close to the GPU's"),
+    "does-not-fit": ("error", "a GPU's estimated peak memory (a part of a replica, a task of a pipeline) "
+                              "above its own"),
+    "memory-tight": ("warning", "a GPU's estimated peak memory above 90 % of its own"),
     "bf16-on-v100": ("error", "--precision bf16 on V100 GPUs, which have no bf16"),
     "fp16-stage": ("error", "--precision fp16 in the stage layout, whose schedules leave no place for a GradScaler"),
     # the model and the pipeline
