@@ -12,6 +12,8 @@ One machine:
     torchrun --nproc-per-node 2 bench_ddp_transformer.py --chunks 4
 One replica, no GPU, no data (the synthetic corpus; the model still split in 2 parts on the CPU):
     python bench_ddp_transformer.py
+The trainer's verdict on its arguments alone, without importing torch (docs/arguments.md):
+    python bench_ddp_transformer.py --check-args --nlayers 16 --chunks 4 --batch-size 64
 A task per GPU instead (torch.distributed.pipelining): bench_stage.py, which reuses this file's model and loop.
 
 The page's code comes first, in the page's order: process group and RPC, nb_part / first_part / last_part,
@@ -20,27 +22,55 @@ have (data and cache, checkpoints and resume, stop signals, the JSON record) com
 """
 from __future__ import annotations
 
+import signal
+import sys
+
+# Slurm's --signal=USR1@seconds (and scancel's SIGTERM) can arrive while torch imports, the data loads or the tasks
+# meet: SIGUSR1's default action kills the process (exit 138) and the job is not requeued. Both are held from the
+# first lines, before torch is imported; StopRequest acts on them at the first step (checkpoint, exit 75). Only where
+# a trainer is the program (bench_stage.py sets HOLD_STOP_SIGNALS before importing this file): importers keep theirs.
+PENDING_SIGNALS: list[str] = []
+
+
+def hold_signal(signum: int, frame: object) -> None:
+    PENDING_SIGNALS.append(signal.Signals(signum).name)
+
+
+if __name__ == "__main__" or getattr(sys.modules.get("__main__"), "HOLD_STOP_SIGNALS", False):
+    for _sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(_sig, hold_signal)
+
 import argparse
+import atexit
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import gc
 import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import re
-import signal
-import sys
+import secrets
+import socket
+import stat
 import tarfile
 import tempfile
 import threading
 import time
 import warnings
+import zlib
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
+
+if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
+    import check_topology
+    sys.exit(check_topology.check_args_main("replica", sys.argv[1:]))
 
 import torch
 import torch.distributed as dist
@@ -78,14 +108,27 @@ import idr_torch  # the page's idr_torch: rank, size, local_rank, cpus_per_task 
 CACHE_FORMAT = 2  # bump when the tokenised cache layout changes
 RESUME_FORMAT = "bench_ddp_transformer/resume/1"  # the companion file of --save (what resuming needs)
 HOST_GROUP: list = [None]  # the gloo group for CPU-side collectives (None: the default group is gloo already)
+TASK_GPUS: list[int] = []  # this task's GPUs, first_part first (use_gpus); empty without a GPU
 
 
 class RunError(Exception):
-    """A user-facing error: one line that names the value and the fix."""
+    """A user-facing error: one line that names the value and the fix. Every task reaches the same verdict (the
+    arguments, the plan, a verdict gathered by agree()): task 0 says it."""
 
 
-class LostContact(RunError):
+class TaskError(RunError):
+    """This task's own error, or its report of another task's: the task that raises it says it."""
+
+
+class LostContact(TaskError):
     """A collective failed: each surviving task says so (rank 0 may be the one that died)."""
+
+
+class Quiet(RunError):
+    """Another task says why every task stops: this one exits 1 without a line."""
+
+
+PROG = ["bench_ddp_transformer"]  # the program's name in error lines (cli() sets it: bench_stage.py's too)
 
 
 def log(*msg: object) -> None:
@@ -148,17 +191,133 @@ class Decoder(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------------
 # the page's path, in its order
+def use_gpus(plan: check_topology.TaskPlan) -> None:
+    """torch.cuda.set_device(first_part) before anything touches CUDA (both trainers' main() call it right after the
+    plan). Without it every CUDA call that takes no device (a context, a pinned-memory thread, an object collective)
+    lands on cuda:0, whatever GPUs the task owns; tests/test_gpu_rules.py checks it for every task of a node."""
+    TASK_GPUS[:] = [] if plan.cpu else list(dict.fromkeys(plan.devices))
+    if TASK_GPUS:
+        torch.cuda.set_device(plan.first_part)
+
+
 def init_distributed(timeout: float, cuda: bool) -> None:
     """The page's dist.init_process_group(backend='nccl', init_method='env://', world_size=idr_torch.size,
-    rank=idr_torch.rank); gloo where there is no GPU."""
-    if cuda:  # a collective whose peer died fails after `timeout` instead of blocking forever
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    rank=idr_torch.rank); gloo where there is no GPU.
+
+    device_id= binds the nccl group to one GPU: its communicator is created here (an error shows at start-up, not
+    at the first collective), barrier() uses it, and subgroups are split from it. But any collective on another GPU
+    then raises "Attempt to perform collective on tensor not on device passed to init_process_group"
+    (ProcessGroupNCCL::getNCCLComm, every release from 2.3.1 to 2.14.1), and DDP all-reduces each bucket on the GPU
+    of its parameters: so only a task whose parts are all on one GPU binds (nb_part 1, the stage layout, --devices
+    0,0); the page's multi-GPU replica does not."""
+    if cuda:
+        log(f"nccl: {nccl_environment()}")
+    report_hangs()
     idr_torch.export_env()  # MASTER_ADDR/PORT (kept if already set), RANK, WORLD_SIZE, LOCAL_RANK
+    bind = {"device_id": torch.device("cuda", TASK_GPUS[0])} if cuda and len(TASK_GPUS) == 1 else {}
     dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", world_size=idr_torch.size,
-                            rank=idr_torch.rank, timeout=timedelta(seconds=timeout))
-    # Python objects (RNG states, placements) and the stop flag travel on the CPU: nccl would put them on
-    # cuda:0 of every task, one GPU shared by the node's tasks (nccl refuses that), and sync the GPU stream.
+                            rank=idr_torch.rank, timeout=timedelta(seconds=timeout), **bind)
+    # The CPU side's collectives (the stop flag, Python objects, the data barrier) run on gloo: on nccl an object
+    # collective goes to the current device and syncs its stream (_object_to_tensor(obj, "cuda") in 2.3.1 to
+    # 2.14.1), and a barrier picks a GPU by its own guess (see load_corpus).
     HOST_GROUP[:] = [dist.new_group(backend="gloo") if cuda else None]
+
+
+def nccl_environment() -> str:
+    """What a hang and an error leave to read, set before the first nccl group (each release reads these once, in
+    ProcessGroupNCCL's constructor); a value the user exported wins. Names and defaults from each release's
+    ProcessGroupNCCL.hpp (and FlightRecorder.hpp from 2.8), and the strings in its libtorch_cuda.so:
+      - TORCH_NCCL_ASYNC_ERROR_HANDLING (older name NCCL_ASYNC_ERROR_HANDLING, still read, with a deprecation
+        warning, by every release from 2.3.1 to 2.14.1): left at the releases' default 3, "SkipCleanUp": when a
+        collective times out the watchdog ends the process without ncclCommAbort, which can itself hang on a dead
+        peer. 0 (or 2) would leave the job waiting until its time limit; a value the user set is kept and named.
+      - TORCH_NCCL_BLOCKING_WAIT: not set. It makes every wait() block the CPU until the collective ends (the
+        timeout then raises in Python), so the CPU stops queuing work ahead of DDP's all-reduces; the watchdog
+        above times out the same collectives without that cost.
+      - Flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE (TORCH_FR_BUFFER_SIZE first from 2.8) = 2000 last
+        collectives per task (the default is 0, off, in the older sources, 2000 in the newer);
+        TORCH_NCCL_DUMP_ON_TIMEOUT=1 (off by default in 2.3) writes them when the watchdog fires, to
+        TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (TORCH_FR_DUMP_TEMP_FILE first from 2.8), by default
+        /tmp/nccl_trace_rank_<rank>: a compute node's /tmp, gone with the job, so here the job's folder:
+        nccl_trace_<job>/rank_<rank>. Read it with `torchfrtrace nccl_trace_<job>` (2.6 on) or pickle.load
+        (docs/gpu.md).
+      - NCCL_DEBUG=WARN: nccl prints its own errors (e.g. "Duplicate GPU detected : rank 0 and rank 1 both on CUDA
+        device ...", a network failure) on stderr, not only an error code."""
+    env, said = os.environ, []
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
+                 "NCCL_BLOCKING_WAIT"):
+        if env.get(name, "").strip():
+            said.append(f"{name}={env[name]} (yours)")
+    mode = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING", "3")).strip()
+    if mode in ("0", "2"):
+        said.append("warning: with async error handling 0 or 2 a collective whose peer died blocks until the time "
+                    "limit; unset it (the default, 3, ends the task after --timeout)")
+    if not (env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if not (env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
+        folder = Path(f"nccl_trace_{idr_torch.current().job_id or os.getpid()}").resolve()
+        with contextlib.suppress(OSError):
+            folder.mkdir(exist_ok=True)
+            atexit.register(_remove_if_empty, folder)  # a run that ends normally leaves no empty folder behind
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{folder}/rank_"
+    env.setdefault("NCCL_DEBUG", "WARN")
+    trace = env.get("TORCH_FR_DUMP_TEMP_FILE") or env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    return ", ".join(said + [f"on a timeout each task writes its last "
+                             f"{env.get('TORCH_FR_BUFFER_SIZE') or env['TORCH_NCCL_TRACE_BUFFER_SIZE']} "
+                             f"collectives to {trace}<rank> (flight recorder) and its Python stacks to stderr"])
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def report_hangs() -> None:
+    """Python's stacks of every thread on stderr when the process dies of a signal: the nccl watchdog ends a task
+    with std::abort (SIGABRT) after --timeout; a segfault in a library likewise. The Watchdog below covers the
+    hangs nccl does not see (gloo, a send or receive, Python itself)."""
+    import faulthandler
+    if not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+class Watchdog:
+    """Ends this task with its stacks and one line when a step makes no progress for `timeout` seconds.
+
+    A rank blocked in a pipelining send or receive waits in C++ with no timeout (gloo's and nccl's point-to-point, on
+    the releases tested), a rank stuck in Python (a Pipe worker, the data) has none at all, and Python runs signal
+    handlers only between bytecodes, so neither SIGTERM nor the stop request reaches it. This thread still runs (the
+    wait releases the GIL). It fires `grace` seconds after --timeout so that on nccl the watchdog's flight-recorder
+    dump comes first (TORCH_NCCL_DUMP_ON_TIMEOUT; nccl's watchdog waits TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 2 to
+    60 s by release, for it before it ends the task)."""
+
+    def __init__(self, timeout: float, rank: int, prog: str = "bench_ddp_transformer", grace: float = 90.0) -> None:
+        self.timeout, self.rank, self.prog, self.grace = timeout, rank, prog, grace
+        self.step, self.beat = 0, time.monotonic()
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+
+    def tick(self, step: int) -> None:
+        self.step, self.beat = step, time.monotonic()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        import faulthandler
+        limit = self.timeout + self.grace
+        while not self.done.wait(min(5.0, limit / 4)):
+            idle = time.monotonic() - self.beat
+            if idle > limit:
+                print(f"{self.prog}: error: task {self.rank} made no progress for {idle:.0f}s after step "
+                      f"{self.step} (--timeout {self.timeout:g}): a collective, send or receive never completed "
+                      "(a task died or hung; each task's Python stacks follow, and on nccl its last collectives in "
+                      "the flight recorder's file); stopping instead of waiting for the time limit",
+                      file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(1)
 
 
 def init_rpc_for_pipe() -> tempfile.NamedTemporaryFile:
@@ -209,6 +368,9 @@ def build_module_list(cfg: argparse.Namespace, plan: check_topology.TaskPlan) ->
     return [Part(*part, precision=cfg.precision) for part in module_list]
 
 
+OPEN_PIPES: list[PipeModel] = []  # built and not closed yet
+
+
 class PipeModel(nn.Sequential):
     """The page's `Pipe(nn.Sequential(*module_list), chunks, checkpoint="never")`.
 
@@ -234,6 +396,7 @@ class PipeModel(nn.Sequential):
         object.__setattr__(self, "pipe", pipe)  # not a registered child: parameters and keys stay ours
         self.engine = engine
         self.workers = [t for t in threading.enumerate() if t not in before]  # the Pipe's per-device threads
+        OPEN_PIPES.append(self)  # run() closes it on every exit path, even if what holds it was never built
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.pipe(tokens)
@@ -248,6 +411,8 @@ class PipeModel(nn.Sequential):
         finalises aborts it with "terminate called without an active exception" (seen with fairscale 0.4.13 on
         torch 2.13). None is the workers' own stop signal and (False, None) their last reply; then we join them."""
         pipe = self.__dict__.pop("pipe", None)
+        if self in OPEN_PIPES:
+            OPEN_PIPES.remove(self)
         pipeline = getattr(pipe, "pipeline", None)
         if pipeline is not None:
             for q in set(getattr(pipeline, "in_queues", [])):
@@ -263,9 +428,37 @@ class PipeModel(nn.Sequential):
         gc.collect()
 
 
+class Trainer(Protocol):
+    """What the training loop (train() and the functions it calls) uses of a layout: Replica below (the page's), or
+    bench_stage.py's Stages (a task per GPU)."""
+    name: str  # "replica" or "stage"
+    engine: str  # the pipeline engine: torch-pipe, fairscale or pipelining
+    equal_batches: bool  # the layout needs every batch the same size (the short last one dropped)
+    nb_part: int  # parts of one replica
+    dp_size: int  # replicas
+    dp_rank: int  # this task's replica (its share of the data)
+    stats_device: torch.device | str  # where the loss and accuracy live: the same part on every task
+    total_params: int
+    memory: str  # the start-up line of the memory estimate
+    estimate_gib: float  # the estimated peak of one GPU (check_topology.worst_part: both layouts are modelled)
+
+    def describe(self) -> str: ...
+    def load(self, model_state: dict, optimizer_state: dict | None) -> None: ...
+    def start(self) -> None: ...
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def state(self) -> tuple[dict, dict] | None: ...
+    def synchronize(self) -> None: ...
+    def peak_memory_gb(self) -> float: ...
+    def divergence(self) -> float: ...
+    def placement(self, launch: idr_torch.Launch) -> dict: ...
+    def record(self) -> dict: ...
+    def close(self) -> None: ...
+
+
 class Replica:
     """The page's layout: this task holds one whole replica, split over its GPUs by a Pipe; DDP across tasks.
-    The training loop (train() below) drives it; bench_stage.py's Stages has the same methods."""
+    The training loop (train() below) drives it through the Trainer protocol, as it drives bench_stage.py's Stages."""
     name = "replica"
     equal_batches = False  # the Pipe takes a short last batch
 
@@ -297,8 +490,13 @@ class Replica:
 
     def start(self) -> None:
         # ddp_mp_model = DistributedDataParallel(model): no device_ids / output_device, the module spans
-        # several devices (the page's "Important")
+        # several devices (the page's "Important"). Its collectives run on the GPUs of the parameters, the same part
+        # on every task: verify_params_across_processes on params[0] (first_part), broadcast_coalesced of the
+        # parameters and buffers in buckets that never span GPUs, one all-reduce per gradient bucket on its GPU
+        # (reducer.cpp, comm.cpp; every release from 2.3.1 to 2.14.1). So nccl builds one communicator per part,
+        # part p of task t on GPU first_part(t) + p: distinct GPUs on a node, as nccl requires.
         self.ddp_mp_model = DistributedDataParallel(self.model)
+        self.steps, self.watchdog = 0, Watchdog(self.cfg.timeout, idr_torch.rank)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One step; returns (loss x samples, correct, samples) on the device, never read here."""
@@ -311,6 +509,8 @@ class Replica:
         else:  # fp16: unscale the gradients, skip the step if one overflowed, adapt the scale
             self.scaler.step(self.optimizer)
             self.scaler.update()
+        self.steps += 1
+        self.watchdog.tick(self.steps)
         return torch.stack([loss * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
 
     def state(self) -> tuple[dict, dict] | None:
@@ -330,12 +530,13 @@ class Replica:
         self.model.eval()  # the Pipe directly, not DDP: no collectives per batch
         logits = self.model(x.to(self.first_part_device, non_blocking=True))
         self.model.train()
+        self.watchdog.tick(self.steps)
         y = y.to(self.last_part_device, non_blocking=True)
         return torch.stack([(logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
 
     def describe(self) -> str:
         return (f"{self.dp_size} replica(s), nb_part {self.nb_part}, {options_text(self.cfg, self.dp_size)} "
-                f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.gpu_ids)} on rank 0), engine "
+                f"({'cpu' if self.plan.cpu else 'GPUs ' + ','.join(self.plan.node_gpus)} on rank 0), engine "
                 f"{self.engine}: " + " | ".join(f"{self.plan.device(i)}: {c}"
                                                  for i, c in enumerate(self.plan.contents)))
 
@@ -352,13 +553,16 @@ class Replica:
 
     def placement(self, launch: idr_torch.Launch) -> dict:
         return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "nb_part": self.nb_part,
-                "devices": [self.plan.device(i) for i in range(self.nb_part)], "gpu_ids": self.plan.gpu_ids}
+                "devices": [self.plan.device(i) for i in range(self.nb_part)], "node_gpus": self.plan.node_gpus,
+                **cpu_placement()}
 
     def record(self) -> dict:
         return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": None,
                 "schedule": "gpipe", "gpus": idr_torch.size * self.nb_part, "estimated_mem_gb": self.estimate_gib}
 
     def close(self) -> None:
+        if getattr(self, "watchdog", None):
+            self.watchdog.stop()
         self.model.close()
 
 
@@ -375,35 +579,53 @@ def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 def main(argv: list[str] | None = None) -> int:
     """Arguments and check_topology's verdict before anything is started, then the page's steps (run())."""
     cfg = parse_args(argv)
+    if cfg.check_args:
+        return check_topology.check_args_main("replica", sys.argv[1:] if argv is None else argv)
     cuda = torch.cuda.is_available()
     resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)  # nb_part, first_part, last_part of this task, or one clear error
     engine = pick_engine(cfg.engine)
+    use_gpus(plan)  # torch.cuda.set_device(first_part), before anything touches CUDA
     return run(cfg, cuda, engine, lambda: Replica(cfg, plan, engine))
 
 
-def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable[[], "Replica"]) -> int:
-    """init_process_group, init_rpc where the engine needs it, the model, train(); then tear it all down, even
-    on an error (a Pipe left alive hangs the process at exit)."""
+def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable[[], "Trainer"]) -> int:
+    """init_process_group, init_rpc where the engine needs it, the model, train(); then tear down whatever was
+    built, on every exit path (a Pipe left alive hangs the process at exit)."""
     launch = idr_torch.current()
-    check_save_path(cfg.save)
-    source = data_source(cfg)
-    torch.set_num_threads(cpu_threads(launch))
-    init_distributed(cfg.timeout, cuda)
-    rpc_file = init_rpc_for_pipe() if engine == "torch-pipe" else None
-    trainer = None
+    if cfg.resume and not cfg.save:
+        raise RunError("--resume continues from the --save file, and no --save was given: add --save PATH (the "
+                       "templates use --save NAME.pt --resume), or start from a file with --load PATH")
+    lock = trainer = rpc_file = None
     try:
+        problem = source = None
+        try:  # what this task writes or reads alone: said after the tasks meet, by agree()
+            if launch.rank == 0:  # rank 0 writes --save and --json-out
+                check_outputs(cfg)
+                lock = SaveLock.take(cfg.save) if cfg.save else None
+            source = data_source(cfg)
+        except RunError as exc:
+            problem = str(exc)
+        torch.set_num_threads(cpu_threads(launch))
+        check_rendezvous(launch, cfg.timeout)
+        with rendezvous_deadline(launch, cfg.timeout):
+            init_distributed(cfg.timeout, cuda)
+        agree(problem, launch)
+        rpc_file = init_rpc_for_pipe() if engine == "torch-pipe" else None
         trainer = make_trainer()
         return train(cfg, trainer, launch, source, cuda)
     except RuntimeError as exc:
         if launch.size > 1 and is_comm_error(exc):
-            raise LostContact(f"task {launch.rank} lost contact with the others ({first_line(exc)[:200]}): "
-                              f"a task died or hung, so every task stops instead of waiting for the time limit; "
-                              f"start again with --resume to continue from the last checkpoint") from None
+            raise LostContact(f"task {launch.rank} on {socket.gethostname()} lost contact with the others "
+                              f"({first_line(exc)[:200]}): a task died or hung, so every task stops instead of "
+                              f"waiting for the time limit; start again with --resume to continue from the last "
+                              f"checkpoint") from None
         raise
     finally:
         if trainer is not None:
             trainer.close()
+        for model in list(OPEN_PIPES):  # built by a trainer whose construction failed
+            model.close()
         del trainer
         gc.collect()
         if rpc_file is not None:
@@ -412,18 +634,20 @@ def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable
             rpc_file.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
 
 
 # ================================================================================================================
 # The page's closing advice as options: mixed precision (--precision), gradient checkpointing
 # (--activation-checkpointing) and ZeRO (--zero). Small pieces, so the memory benchmarks can use them as they are.
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # check_topology.PRECISIONS' names
+AUTOCAST_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # each --precision's autocast dtype
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """--precision's autocast for code on `device_type` ('cuda' or 'cpu'); fp32: none. Autocast computes in low
     precision from the fp32 weights, which stay fp32: checkpoints hold fp32 and load into any precision."""
-    dtype = PRECISIONS[precision]
+    dtype = AUTOCAST_DTYPE[precision]
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
@@ -489,12 +713,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup |
 
 
 def training_of(cfg: argparse.Namespace, **layout: object) -> check_topology.Training:
-    """This run's arguments as check_topology sees them on a trainer line (its checks and its memory model)."""
-    model = {k: getattr(cfg, k) for k in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout")}
-    return check_topology.Training(nlayers=cfg.nlayers, chunks=cfg.chunks, batch_size=cfg.batch_size,
-                                   engine=getattr(cfg, "engine", "auto"), nb_part=getattr(cfg, "nb_part", None),
-                                   precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
-                                   zero=cfg.zero, model=model, **layout)
+    """This run's arguments as check_topology sees them on a trainer line (its checks and its memory model);
+    `layout`: the stage layout's fields (layout="stage", ...) where they differ from cfg's."""
+    t = check_topology.training_from_args(cfg, str(layout.get("layout", "replica")))
+    return dataclasses.replace(t, **layout)
 
 
 def memory_estimate(cfg: argparse.Namespace, plan: check_topology.TaskPlan, nb_part: int, replicas: int,
@@ -532,55 +754,10 @@ def options_text(cfg: argparse.Namespace, replicas: int) -> str:
 # (shared with bench_stage.py), the replica fingerprint, the JSON record.
 
 
-def base_parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments both trainers take. None means "the GPU or CPU default": check_topology.GPU_DEFAULTS /
-    CPU_DEFAULTS, the one table of them, which the help shows."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    gpu, cpu = check_topology.GPU_DEFAULTS, check_topology.CPU_DEFAULTS
-    for name, kind, text in [("--nlayers", int, "Layer blocks"), ("--d-model", int, "width"),
-                             ("--n-head", int, "attention heads"), ("--d-hid", int, "feed-forward width"),
-                             ("--dropout", float, "dropout (on the CPU its masks cost as much as the matmuls)"),
-                             ("--seq-len", int, "tokens per review"),
-                             ("--vocab-size", int, "vocabulary incl. <pad>,<unk>"),
-                             ("--chunks", int, "micro-batches per batch: 1 = naive model parallel"),
-                             ("--batch-size", int, "samples per step per replica")]:
-        key = name[2:].replace("-", "_")
-        a(name, type=kind, help=f"{text} (default: GPU {gpu[key]}, CPU {cpu[key]})")
-    a("--precision", choices=check_topology.PRECISIONS, default="fp32",
-      help="autocast: bf16 (A100, H100, CPU), or fp16 with a GradScaler (V100 has no bf16); weights stay fp32")
-    a("--activation-checkpointing", action="store_true",
-      help="each Layer keeps only its input and recomputes the rest in backward (torch.utils.checkpoint)")
-    a("--zero", action="store_true", help="ZeroRedundancyOptimizer: AdamW's state sharded over the replicas")
-    a("--epochs", type=int, default=3)
-    a("--max-steps", type=int, default=0, help="stop after this many steps in all (0: no limit)")
-    a("--warmup-steps", type=int, default=3, help="steps left out of the timing (allocator, autotuning)")
-    a("--lr", type=float, default=1e-3)
-    a("--seed", type=int, default=1234)
-    a("--data-dir", help="aclImdb/ or aclImdb_v1.tar.gz, or a folder holding one (default $DSDIR/IMDB)")
-    a("--cache-dir", help="where the tokenised corpus is cached (default $SCRATCH, else the data's folder "
-      "if writable, else ./.cache)")
-    a("--synthetic", type=int, default=0, help="N synthetic reviews instead of IMDB (default when no data: 4000)")
-    a("--workers", type=int, default=-1, help="DataLoader workers (-1: from cpus_per_task on GPU, 0 on CPU)")
-    a("--timeout", type=float, default=600, help="seconds before a collective with a dead rank gives up")
-    a("--log-every", type=float, default=30, help="seconds between progress lines within an epoch")
-    a("--json-out", help="append one JSON line with the configuration and results (rank 0)")
-    a("--save", help="write the checkpoint here after each epoch (rank 0, atomically)")
-    a("--load", help="start from this checkpoint (every rank loads it)")
-    a("--resume", action="store_true", help="start from the --save file if it exists (a requeued job continues)")
-    return p
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = base_parser(__doc__)
-    p.add_argument("--nb-part", type=int, help="GPUs per replica (default: the page's GPUs per node // tasks "
-                   f"per node; CPU {check_topology.CPU_NB_PART})")
-    p.add_argument("--engine", choices=check_topology.ENGINES, default="auto",
-                   help="auto: torch-pipe on torch <= 2.3, else fairscale")
-    p.add_argument("--devices", help="visible GPU index of each part instead of the page's indexing; 0,0 puts both "
-                   "parts on one GPU (benchmarks/gpu_check.py on a one-GPU node)")
-    return p.parse_args(argv)
+    """The arguments, from check_topology's one definition of them (check_topology.ARGS: names, types, ranges, GPU and
+    CPU defaults); a line it refuses raises check_topology.ArgumentError, one line that cli() prints (exit 2)."""
+    return check_topology.parse_trainer_args("replica", argv, __doc__)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -670,16 +847,19 @@ def read_imdb(source: Path) -> dict[str, tuple[list[str], list[int]]]:
                         raise RunError(f"cannot read review {f}: {exc.strerror}; fix its permissions or "
                                        "re-extract aclImdb") from None
                     found[split].append((f.name, int(label == "pos"), text))
-    else:
+    else:  # read in place, never extracted: a member's path cannot reach outside
+        mode = "r:gz" if source.name.endswith((".gz", ".tgz")) else "r:" if source.name.endswith(".tar") else "r:*"
         try:
-            with tarfile.open(source) as tar:
+            with tarfile.open(source, mode) as tar:
                 for member in tar:
                     m = pattern.search(member.name)
                     if m and member.isfile():
                         text = tar.extractfile(member).read().decode("utf-8", errors="replace")
                         found[m.group(1)].append((member.name, int(m.group(2) == "pos"), text))
-        except (tarfile.TarError, OSError, EOFError) as exc:
-            raise RunError(f"cannot read {source}: {exc}; re-download aclImdb_v1.tar.gz") from None
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:  # zlib.error: a damaged deflate stream
+            why = " ".join(first_line(exc).split())[:160]
+            raise RunError(f"cannot read {source}: {why}; it is damaged or not the IMDB tarball: download "
+                           "aclImdb_v1.tar.gz again") from None
     for split, items in found.items():
         if not items:
             raise RunError(f"{source} has no {split}/pos or {split}/neg reviews")
@@ -712,32 +892,29 @@ def synthetic_imdb(n: int, seed: int) -> dict[str, tuple[list[str], list[int]]]:
 
 
 def cache_key(cfg: argparse.Namespace, source: Path | None) -> str:
+    """The tokenised cache's name: the options that shape it and the content of what it was built from: the name,
+    size and modification time (ns) of every review file read_imdb reads, or of the tarball. A review rewritten in
+    place changes its own time, not its folder's (the folder's alone reused a stale cache)."""
     h = hashlib.sha256(f"{CACHE_FORMAT}|{cfg.vocab_size}|{cfg.seq_len}|{cfg.synthetic}|{cfg.seed}".encode())
-    if source is not None:
+    if source is None:
+        return h.hexdigest()[:16]
+    h.update(f"{source.resolve()}\n".encode())
+    if not source.is_dir():
         st = source.stat()
-        h.update(f"{source.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode())
-        if source.is_dir():
-            for split in ("train", "test"):
-                for label in ("neg", "pos"):
-                    d = source / split / label
-                    h.update(f"{d}|{d.stat().st_mtime_ns if d.exists() else 0}".encode())
+        h.update(f"{st.st_size}|{st.st_mtime_ns}".encode())
+        return h.hexdigest()[:16]
+    for split in ("train", "test"):
+        for label in ("neg", "pos"):
+            folder = source / split / label
+            try:
+                with os.scandir(folder) as entries:
+                    files = sorted((e.name, e.stat()) for e in entries if e.name.endswith(".txt"))
+            except OSError:  # missing or unreadable: read_imdb says so
+                files = []
+            h.update(f"{split}/{label}:{len(files)}\n".encode())
+            for name, st in files:
+                h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
-
-
-def atomic_torch_save(obj: object, path: Path) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: readers see the old file or the new
-    one, never half of one, even if this process is killed mid-write."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def data_source(cfg: argparse.Namespace) -> Path | None:
@@ -757,11 +934,13 @@ def data_source(cfg: argparse.Namespace) -> Path | None:
 
 
 def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dict:
-    """Tokenised tensors, built once by rank 0 and cached; the other ranks wait, then load the cache."""
+    """Tokenised tensors, built once by rank 0 and cached; the other ranks wait, then load the cache (or build
+    their own where they cannot see it). What each task found is gathered (agree): a task that cannot read the
+    data says so, and every task stops."""
     cache_dir = Path(cfg.cache_dir or os.environ.get("SCRATCH") or
                      (source.parent if source is not None and os.access(source.parent, os.W_OK) else ".cache"))
     name = "synthetic" if source is None else "imdb"
-    cache = cache_dir / f"{name}-{cache_key(cfg, source)}.pt"
+    cache = key = None  # rank 0 computes the key (every review's size and time); the others take it
 
     def build() -> dict:
         t0 = time.time()
@@ -778,29 +957,77 @@ def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dic
             atomic_torch_save(data, cache)
             log(f"data: tokenised {len(raw['train'][0])}+{len(raw['test'][0])} reviews ({tokenizer} tokenizer) "
                 f"in {time.time() - t0:.1f}s, cached in {cache}")
-        except OSError as exc:
-            log(f"notice: cannot write the cache {cache} ({exc.strerror}); every run will tokenise again")
+        except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write's OSError in a RuntimeError
+            log(f"notice: cannot write the cache {cache} ({write_failure(exc)}); every run will tokenise again")
         return data
 
     def read() -> dict | None:
         try:
-            data = torch.load(cache, map_location="cpu", weights_only=True)
-            if data.get("format") == CACHE_FORMAT and len(data["train_x"]) == len(data["train_y"]):
-                return data
+            data = load_weights_only(cache)
         except FileNotFoundError:
             return None
-        except Exception as exc:  # truncated or corrupt: rebuild rather than crash
-            log(f"notice: the cache {cache} is unreadable ({type(exc).__name__}); rebuilding it")
+        except Exception as exc:  # truncated, corrupt, or not a plain file of tensors: rebuild rather than crash
+            log(f"notice: the cache {cache} is unreadable ({load_refusal(exc)}); rebuilding it")
+            return None
+        if corpus_fits(data, cfg):
+            return data
+        log(f"notice: the cache {cache} does not hold this corpus's tensors; rebuilding it")
         return None
 
-    data = None
-    if idr_torch.rank == 0:
-        data = read() or build()
-    if world > 1:
-        dist.barrier()
-    if data is None:
-        data = read() or build()  # the cache folder may not be shared between nodes: build here then
+    launch, data, problem = idr_torch.current(), None, None
+    if launch.rank == 0:
+        try:
+            key = cache_key(cfg, source)
+            cache = cache_dir / f"{name}-{key}.pt"
+            data = read() or build()
+        except RunError as exc:
+            problem = str(exc)
+    key = agree(problem, launch, key)[0]  # rank 0's verdict on the data, before the others read what it cached
+    cache = cache_dir / f"{name}-{key}.pt"
+    # agree() above is the barrier: on gloo (HOST_GROUP), never on nccl's group. nccl's barrier() all-reduces on
+    # device_ids[0], else the device bound by init_process_group, else the lowest GPU the group used, else global
+    # rank % GPUs per node (barrier() in 2.3.1-2.6.0, guessDeviceId() in 2.8.0-2.14.1), not the current device:
+    # before any other collective, task 1 of the page's 2 tasks per node would use GPU 1 (task 0's) and then meet
+    # DDP in another communicator.
+    problem = None
+    try:
+        if data is None:
+            data = read() or build()  # the cache folder may not be shared between nodes: build here then
+        check_classes(data, source, cfg)
+    except RunError as exc:
+        problem = str(exc)
+    agree(problem, launch)
     return data
+
+
+def corpus_fits(data: object, cfg: argparse.Namespace) -> bool:
+    """A cache holds what build() writes for these options: token ids below --vocab-size, --seq-len columns,
+    labels 0 or 1, one per review."""
+    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("itos"), list):
+        return False
+    for split in ("train", "test"):
+        x, y = data.get(f"{split}_x"), data.get(f"{split}_y")
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == 2 and y.dim() == 1
+                and x.dtype == torch.int32 and y.dtype == torch.int64 and x.size(1) == cfg.seq_len
+                and len(x) == len(y) and len(y) > 0):
+            return False
+        if y.min() < 0 or y.max() > 1 or x.min() < 0 or x.max() >= cfg.vocab_size:
+            return False
+    return True
+
+
+def check_classes(data: dict, source: Path | None, cfg: argparse.Namespace) -> None:
+    """Both classes in each split: with one alone, training reaches "test acc 1.000" and it means nothing."""
+    where = str(source) if source is not None else f"--synthetic {cfg.synthetic}"
+    for split in ("train", "test"):
+        neg, pos = torch.bincount(data[f"{split}_y"], minlength=2).tolist()[:2]
+        if min(neg, pos) == 0:
+            have, missing = ("positive", "neg") if pos else ("negative", "pos")
+            raise RunError(f"{where}: all {neg + pos} {split} reviews are {have}"
+                           + (f" ({split}/{missing} holds none)" if source is not None else "")
+                           + ": a classifier needs both classes, and its accuracy would mean nothing; "
+                           + (f"add the {split}/{missing} reviews, or check --data-dir" if source is not None
+                              else "raise --synthetic"))
 
 
 class BatchTensors(torch.utils.data.Dataset):
@@ -829,19 +1056,9 @@ def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, replicas: int, ran
 
 # ----------------------------------------------------------------------------------------------------------------
 # setup: the defaults, this task's plan and check_topology's verdict, before any process group exists
-POSITIVE = ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "chunks", "batch_size", "nb_part",
-            "epochs", "pp", "virtual_stages")
-
-
 def resolve(cfg: argparse.Namespace, cuda: bool) -> None:
-    """Fill the GPU or CPU defaults; refuse counts below 1 before anything is built."""
-    given = {k: getattr(cfg, k) for k in check_topology.GPU_DEFAULTS}
-    vars(cfg).update(check_topology.model_args(check_topology.Training(), not cuda, **given))
-    bad = check_topology.below_one({k: getattr(cfg, k, None) for k in POSITIVE})
-    if bad:
-        raise RunError(bad)
-    if not 0 <= cfg.dropout < 1:
-        raise RunError(f"--dropout {cfg.dropout} must be in [0, 1)")
+    """Fill the model's GPU or CPU defaults where the line gives none (each value was checked when parsed)."""
+    check_topology.resolve_defaults(cfg, cuda)
 
 
 def task_plan(cuda: bool, nlayers: int, nb_part: int | None, findings: check_topology.Findings,
@@ -859,83 +1076,156 @@ def task_plan(cuda: bool, nlayers: int, nb_part: int | None, findings: check_top
     return plan
 
 
-def verdict(cfg: argparse.Namespace, findings: check_topology.Findings) -> None:
-    """Warnings printed once, errors raised with the same message the pre-flight check gives; then what only
-    the model can refuse."""
+def verdict(findings: check_topology.Findings) -> None:
+    """Warnings printed once, errors raised as one line: the words of the pre-flight check and of --check-args."""
     for f in findings:
-        if f.level == "warning":
+        if f.level != "error":
             log(f"check_topology: {f}")
-    errors = findings.errors
-    if errors:
-        raise RunError("; ".join(f"{f.code}: {f.message}" for f in errors))
-    if cfg.d_model % cfg.n_head:
-        raise RunError(f"--d-model ({cfg.d_model}) must be a multiple of --n-head ({cfg.n_head}); "
-                       f"try --n-head {max(d for d in check_topology.divisors(cfg.d_model) if d <= cfg.n_head)}")
-    if cfg.d_model % 2:
-        raise RunError(f"--d-model ({cfg.d_model}) must be even (sinusoidal positions)")
-    if cfg.vocab_size <= len(SPECIALS):
-        raise RunError(f"--vocab-size ({cfg.vocab_size}) must be larger than {len(SPECIALS)}")
+    if findings.errors:
+        raise RunError(check_topology.refusal_text(findings.errors))
 
 
 def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
-    """The replica layout's plan and verdict: errors stop us here, before init_process_group."""
+    """The replica layout's plan and verdict: errors stop us here, before init_process_group. The checks are
+    check_topology's (check_trainer_task), which --check-args and the pre-flight check run too."""
     findings = check_topology.Findings()
-    devices = None if cfg.devices is None else check_topology.parse_devices(cfg.devices, "this task", findings)
-    plan = task_plan(cuda, cfg.nlayers, cfg.nb_part, findings, devices)
-    training = training_of(cfg)
-    check_topology.check_training(plan.nb_part, training, findings, cpu=not cuda)
-    for line in check_topology.torch_refusals(torch.__version__, training, cpu=not cuda):  # what this release lacks
-        findings.error("torch-release", line)
-    verdict(cfg, findings)
+    plan = task_plan(cuda, cfg.nlayers, cfg.nb_part, findings, cfg.devices)
+    check_topology.check_trainer_task("replica", cfg, plan, idr_torch.current(), cuda, torch.__version__, findings)
+    verdict(findings)
     check_precision(cfg, plan)
     return plan
 
 
-def check_save_path(path: str | None) -> None:
-    """Fail before training, not after an hour of it: really create (and remove) a file beside the target."""
-    if not path:
-        return
-    folder = Path(path).expanduser().resolve().parent
-    if not folder.is_dir():
-        raise RunError(f"--save {path}: folder {folder} does not exist; create it or choose another path")
+def check_outputs(cfg: argparse.Namespace) -> None:
+    """Fail before training, not after an hour of it: every file this run writes (--save, its companion and lock,
+    --json-out) must be a regular file or nothing yet, in an existing folder where a file can really be created.
+    A device node is refused for --save: the atomic rename would replace it (as root, --save /dev/null would
+    replace /dev/null). --json-out is appended to, so a character device or a pipe (/dev/null, /dev/stdout) is
+    fine there, a block device is not."""
+    if cfg.save and cfg.json_out and Path(cfg.save).expanduser().resolve() == Path(cfg.json_out).expanduser().resolve():
+        raise RunError(f"--save and --json-out are both {cfg.save}: the checkpoint would replace the results; give "
+                       "them two names")
+    for option, path in (("--save", cfg.save), ("--json-out", cfg.json_out)):
+        if not path:
+            continue
+        target = Path(path).expanduser()
+        for file in ((target, resume_file(target), lock_file(target)) if option == "--save" else (target,)):
+            check_output_file(option, path, file)
+        folder = target.resolve().parent
+        if not folder.is_dir():
+            raise RunError(f"{option} {path}: folder {folder} does not exist; create it (mkdir -p {folder}) or "
+                           "choose another path")
+        try:  # really create (and remove) a file there: permissions, ACLs, a read-only mount, a full quota of inodes
+            fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise RunError(f"{option} {path}: cannot write in {folder} ({exc.strerror}); choose a path under $WORK "
+                           "or $SCRATCH") from None
+
+
+def check_output_file(option: str, path: str, file: Path) -> None:
+    """`file`, if it exists, is one this run may replace (--save) or append to (--json-out)."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+        mode = file.stat().st_mode  # through a symbolic link: what would be written is what it points to
+    except FileNotFoundError:
+        return
     except OSError as exc:
-        raise RunError(f"--save {path}: cannot write in {folder} ({exc.strerror}); choose a path under $WORK or "
-                       "$SCRATCH") from None
+        raise RunError(f"{option} {path}: cannot use {file} ({exc.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise RunError(f"{option} {path}: {file} is a folder; give a file name, e.g. {option} {file / 'model.pt'}"
+                       if file == Path(path).expanduser() else
+                       f"{option} {path}: {file} is a folder, where this run writes a file; remove it or choose "
+                       "another path")
+    kind = ("a block device" if stat.S_ISBLK(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else None)
+    if kind and (option == "--save" or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode)):
+        raise RunError(f"{option} {path}: {file} is {kind}, not a regular file: "
+                       + ("saving replaces the file by renaming a new one over it, so it would replace the device; "
+                          if option == "--save" else "") + "choose a file under $WORK or $SCRATCH")
+    if option == "--json-out" and not os.access(file, os.W_OK):
+        raise RunError(f"--json-out {path}: {file} is not writable (permission denied); choose another file")
 
 
 def cpu_threads(launch: idr_torch.Launch) -> int:
-    """This task's share of the cores: its own when Slurm bound it, else the node's split between its tasks
-    (N tasks each using every core would oversubscribe the node)."""
+    """The cores this task really has (os.sched_getaffinity: what Slurm's task/affinity or cgroup left it), for its
+    intra-op threads and its DataLoader workers: its own cores when Slurm bound it, else the node's split between
+    its tasks (N tasks each using every core would oversubscribe the node). SLURM_CPUS_PER_TASK is what was asked,
+    not what the task got: srun 22.05 does not pass --cpus-per-task on to the step, so a plain `srun` in a
+    `-c 10 --hint=nomultithread` job binds each task to one core (measured on the test cluster's task/affinity
+    variant, tests/test_cpu_binding.py); say so once."""
     avail = len(os.sched_getaffinity(0))
     share = max(1, avail // launch.local_world_size)
     cpt = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
     if cpt.isdigit() and avail <= int(cpt):
+        if avail < int(cpt) and not _SAID_CORES:
+            _SAID_CORES.append(True)
+            log(f"notice: this task may run on {avail} core(s) but the job asked --cpus-per-task={cpt}: srun did "
+                "not pass it on to the step (Slurm 22.05); launch with `srun -c $SLURM_CPUS_PER_TASK ...` or "
+                "`export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK`")
         return avail  # bound to its own cores
     return min(int(cpt), share) if cpt.isdigit() else share
 
 
+_SAID_CORES: list = []
+
+
+def cpu_placement() -> dict:
+    """Where this task runs on the CPU, for the record: the cores it may use, as Slurm bound them."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"cpus": len(cores), "cpu_ids": cores, "threads": torch.get_num_threads(),
+            "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK")}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # checkpoints. --save PATH is exactly the page's file, `torch.save(ddp_mp_model.module.state_dict(), PATH)`, so
-# the page's `model.load_state_dict(torch.load(PATH))` loads it; what resuming needs (optimizer, epoch, batch,
-# RNG states, the layout) goes in PATH.resume.pt beside it. Both are written atomically, by rank 0.
+# the page's `model.load_state_dict(torch.load(PATH))` loads it; what resuming needs (optimizer, epoch, batch, RNG
+# states, the layout) goes in PATH.resume.pt beside it, with the SHA-256 of the model file it goes with. Rank 0
+# writes both, holding PATH.lock (SaveLock: one writer per PATH).
+#
+# The two files change as a pair although no rename swaps two files at once: the new companion is first staged,
+# whole, as .PATH.resume.pt.next; then the model file is renamed over PATH (the commit point); then the staged
+# companion over PATH.resume.pt. A save killed at any point leaves a model file and a companion naming its digest:
+# the old companion before the commit, the staged one after it. read_resume() takes whichever matches; the next
+# save finishes (or drops) what a killed one left, and removes its temporary files. Each file is written beside its
+# target (one file system, so the rename is atomic) and fsync'ed before its rename; the folder is fsync'ed after
+# it, so the rename also survives a crash of the node. Files get the user's umask (teams share checkpoints through
+# project folders). Every file the kit loads is read with weights_only=True: plain tensors, numbers, strings,
+# lists, tuples and dicts (optimizer and GradScaler state_dicts, RNG states are all of those); a pickled object that
+# would run code is refused.
 def resume_file(path: str | Path) -> Path:
     return Path(path).expanduser().with_name(Path(path).name + ".resume.pt")
+
+
+def staged_file(path: str | Path) -> Path:
+    """Where a save stages the new companion until its model file is committed."""
+    return Path(path).expanduser().with_name(f".{Path(path).name}.resume.pt.next")
+
+
+def lock_file(path: str | Path) -> Path:
+    return Path(path).expanduser().with_name(Path(path).name + ".lock")
+
+
+def temporary_file(target: Path) -> Path:
+    return target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+
+
+def stale_temporaries(target: Path) -> list[Path]:
+    """What killed saves of `target` left: its own and its companion's temporary files."""
+    own = re.compile(rf"\.{re.escape(target.name)}(\.resume\.pt)?\.[0-9a-f]{{8}}\.tmp")
+    return [p for p in target.parent.iterdir() if own.fullmatch(p.name)]
 
 
 def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
     """What a checkpoint must match: the model and how many parts it is cut in (whatever the layout:
     nb_part 2 here and bench_stage.py --pp 2 hold the same parts under the same keys)."""
-    return {"nb_part": nb_part, "nlayers": cfg.nlayers, "d_model": cfg.d_model, "n_head": cfg.n_head,
-            "d_hid": cfg.d_hid, "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
+    return {"nb_part": nb_part, **{a.dest: getattr(cfg, a.dest) for a in check_topology.ARGS if a.checkpoint},
             "part_sizes": check_topology.part_sizes(cfg.nlayers, nb_part)}
 
 
 def rng_states(world: int) -> list[dict] | None:
-    """Every rank's random state (dropout masks differ per replica), gathered on rank 0 for its checkpoint."""
+    """Every rank's random state (dropout masks differ per replica), gathered on rank 0 for its checkpoint: byte
+    tensors and Python's (version, tuple of ints, None), which weights_only loads as they were."""
     mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     if world == 1:
@@ -953,28 +1243,135 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(path: str, model_state: dict, resume: dict) -> None:
-    """The model file first, then the companion naming its digest: a job killed between the two renames leaves
-    a pair that resume_point refuses to mix, never a model resumed with another save's optimizer."""
-    target = Path(path).expanduser()
-    atomic_torch_save(model_state, target)
-    atomic_torch_save(dict(resume, model_sha256=file_digest(target)), resume_file(target))
+def write_file(obj: object, target: Path) -> Path:
+    """torch.save into a new temporary file beside `target`, created with the user's umask (mkstemp's 0600 would
+    keep a team from sharing it), flushed and fsync'ed: whole on disk before anything renames it."""
+    tmp = temporary_file(target)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        cause = os_error_in(exc)  # torch.save wraps a failed write's OSError in a RuntimeError about zip offsets
+        if cause is not None and cause.filename is None:
+            raise OSError(cause.errno, cause.strerror, str(target)) from exc  # say which file could not be written
+        raise
+    return tmp
 
 
-def save_progress(cfg: argparse.Namespace, trainer: Replica, epoch: int, batch_in_epoch: int, step: int,
-                  world: int) -> None:
-    """Every rank calls it (the RNG states, and the stage layout's consolidation, are collectives); rank 0
-    writes --save and its companion. epoch: epochs fully done; batch_in_epoch: batches done in the next one."""
-    if not cfg.save:
+def sync_folder(folder: Path) -> None:
+    """fsync a folder, so that a rename in it survives a crash of the node, not only of the process."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
         return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a folder (EINVAL): the rename is atomic all the same
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_torch_save(obj: object, path: Path) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename: readers see the old file or the new
+    one, never half of one, even if this process is killed mid-write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = write_file(obj, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    sync_folder(path.parent)
+
+
+def save_checkpoint(path: str, model_state: dict, resume: dict) -> None:
+    """The pair, replaced as a pair (see above): both files written whole, the companion staged, the model file
+    committed, the companion moved into place. A failure before the commit removes what it wrote and leaves the
+    previous pair as it was."""
+    target = Path(path).expanduser()
+    companion, staged = resume_file(target), staged_file(target)
+    settle_pair(target)
+    written: list[Path] = []
+    try:
+        written.append(write_file(model_state, target))
+        written.append(write_file(dict(resume, model_sha256=file_digest(written[0])), companion))
+        os.replace(written[1], staged)
+        written[1] = staged
+        sync_folder(target.parent)
+        os.replace(written[0], target)  # the commit: from here on the staged companion is the one that matches
+        written = []
+        sync_folder(target.parent)
+        os.replace(staged, companion)
+        sync_folder(target.parent)
+    except BaseException:
+        for file in written:
+            file.unlink(missing_ok=True)
+        raise
+
+
+def settle_pair(target: Path) -> None:
+    """Before a save, by the lock's holder: finish what a killed save left (its staged companion, when the model
+    file it names was committed) or drop it (when it was not), and remove the killed save's temporary files."""
+    staged = staged_file(target)
+    if staged.exists():
+        try:
+            state = load_weights_only(staged)
+        except Exception:  # written whole before its rename, so only a damaged disk gets here: drop it
+            state = None
+        if isinstance(state, dict) and target.exists() and state.get("model_sha256") == file_digest(target):
+            os.replace(staged, resume_file(target))
+        else:
+            staged.unlink(missing_ok=True)
+        sync_folder(target.parent)
+    for tmp in stale_temporaries(target):
+        tmp.unlink(missing_ok=True)
+
+
+def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batch_in_epoch: int, step: int,
+                  world: int) -> bool:
+    """Every rank calls it (the RNG states, and the stage layout's consolidation, are collectives); rank 0
+    writes --save and its companion. epoch: epochs fully done; batch_in_epoch: batches done in the next one.
+    A save that fails (a full disk, a quota) is one line, the previous pair stays, and training goes on: the
+    next save tries again. Returns whether rank 0 saved (True on the other ranks)."""
+    if not cfg.save:
+        return False
     state = trainer.state()
     rngs = rng_states(world)
-    if idr_torch.rank == 0:
-        model_state, optimizer_state = state
+    if idr_torch.rank != 0:
+        return True
+    model_state, optimizer_state = state
+    try:
         save_checkpoint(cfg.save, model_state, {
             "format": RESUME_FORMAT, "optimizer": optimizer_state, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
             "step": step, "layout": layout_of(cfg, trainer.nb_part), "engine": trainer.engine, "rng": rngs,
             "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}})
+    except (OSError, RuntimeError) as exc:  # torch.save wraps the OSError of a failed write in a RuntimeError
+        kept = (f"the previous checkpoint {cfg.save} (with its {resume_file(cfg.save).name}) is kept"
+                if Path(cfg.save).expanduser().exists() else f"there is no previous checkpoint in {cfg.save}")
+        print(f"{PROG[0]}: error: checkpoint not saved (epoch {epoch}, step {step}): {write_failure(exc)}; {kept}; "
+              "training goes on and the next save tries again", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError an exception is, or was raised from or while handling."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
+def write_failure(exc: BaseException) -> str:
+    """Why a write failed, in a few words: the OSError underneath, and its file."""
+    cause = os_error_in(exc)
+    if cause is None:
+        return first_line(exc)[:160]
+    return f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
 
 
 def first_line(exc: BaseException) -> str:
@@ -982,58 +1379,111 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def load_weights_only(path: Path) -> object:
+    """torch.load as every file of the kit is loaded: tensors and plain values only, nothing that runs code."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_refusal(exc: Exception) -> str:
+    """Why torch.load refused a file, in one line."""
+    if isinstance(exc, pickle.UnpicklingError):  # what weights_only raises on anything but tensors and plain values
+        return ("it holds Python objects besides tensors and plain values, which could run code when loaded: "
+                "refused")
+    return f"{type(exc).__name__}: {first_line(exc)[:120]}"
+
+
 def read_model(path: str) -> dict:
-    """The --load file: a state_dict, the page's or ours (the page's own torch.load, weights only)."""
+    """The --load file: a state_dict, the page's or ours (the page's own torch.load, weights only), finite."""
     try:
-        state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
+        state = load_weights_only(Path(path).expanduser())
     except FileNotFoundError:
         raise RunError(f"--load {path}: no such file") from None
     except Exception as exc:
-        raise RunError(f"--load {path} is not a readable model file ({type(exc).__name__}: "
-                       f"{first_line(exc)[:120]}); it may be truncated: use an earlier one") from None
+        raise RunError(f"--load {path} is not a readable model file ({load_refusal(exc)}); it may be truncated: use "
+                       "an earlier one") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise RunError(f"--load {path} is not a state_dict (what torch.save(model.module.state_dict(), path) "
                        "writes)")
+    for key, value in state.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise RunError(f"--load {path} holds non-finite values (nan or inf) in {key}: it comes from a run that "
+                           "diverged; use an earlier checkpoint")
+    return state
+
+
+# What a companion holds, each of its own type (a hand-made or damaged one is one line, not a KeyError)
+RESUME_FIELDS = {"format": str, "epoch": int, "batch_in_epoch": int, "step": int, "layout": dict,
+                 "optimizer": (dict, type(None)), "rng": (list, type(None)), "model_sha256": str}
+
+
+def load_companion(companion: Path, path: str) -> dict:
+    """A companion, read weights-only and checked field by field."""
+    alone = f"delete it to load {path}'s weights alone, with a fresh optimizer"
+    try:
+        state = load_weights_only(companion)
+    except Exception as exc:
+        raise RunError(f"{companion} is unreadable ({load_refusal(exc)}); {alone}") from None
+    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+        raise RunError(f"{companion} was not written by this kit's --save; {alone}")
+    for key, kind in RESUME_FIELDS.items():
+        if not isinstance(state.get(key), kind) or (kind is int and state[key] < 0):
+            found = "no" if key not in state else f"a bad ({type(state[key]).__name__})"
+            raise RunError(f"{companion} has {found} '{key}' field: it is damaged or was edited; {alone}")
     return state
 
 
 def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None:
-    """The companion of `path`, checked against this run's layout and against the model file; None if absent."""
-    companion = resume_file(path)
-    if not companion.exists():
+    """The companion that goes with the model file `path` (the settled one, or the staged one of a save killed after
+    its commit), checked against this run's layout; None if there is none (the page's own file)."""
+    target = Path(path).expanduser()
+    companion, staged = resume_file(target), staged_file(target)
+    if not companion.exists() and not staged.exists():
         return None
-    try:
-        state = torch.load(companion, map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise RunError(f"{companion} is unreadable ({type(exc).__name__}); delete it to load {path}'s weights "
-                       "alone, with a fresh optimizer") from None
-    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
-        raise RunError(f"{companion} was not written by this kit's --save; delete it to load {path}'s weights alone")
+    digest = file_digest(target)
+    state = load_companion(companion, path) if companion.exists() else None
+    if state is None or state["model_sha256"] != digest:
+        try:
+            next_state = load_companion(staged, path) if staged.exists() else None
+        except RunError:
+            next_state = None
+        if next_state is None or next_state["model_sha256"] != digest:
+            raise RunError(f"{path} and {companion} come from different saves (the model file was replaced by "
+                           f"something other than this kit's --save?); delete {companion} to start from {path}'s "
+                           "weights with a fresh optimizer")
+        state = next_state
     mine, theirs = layout_of(cfg, nb_part), state["layout"]
     if mine != theirs:
         diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
         raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
-                       f"(e.g. --nb-part {theirs['nb_part']} --nlayers {theirs['nlayers']})")
-    if state.get("model_sha256") != file_digest(Path(path).expanduser()):
-        raise RunError(f"{path} and {companion} come from different saves (a job killed between the two "
-                       f"writes?); delete {companion} to start from {path}'s weights with a fresh optimizer")
+                       f"(e.g. --nb-part {theirs.get('nb_part')} --nlayers {theirs.get('nlayers')})")
     return state
 
 
-def resume_point(cfg: argparse.Namespace, trainer: Replica) -> tuple[int, int, int, dict | None]:
+def resume_point(cfg: argparse.Namespace, trainer: Trainer) -> tuple[int, int, int, dict | None]:
     """--load, or --resume's --save file if it exists, into the model on every rank (before DDP wraps it):
     (epoch, batch in that epoch, step, the companion), or a fresh start. A file without a companion (the
-    page's own) gives the weights and a fresh optimizer, from epoch 0."""
-    load = cfg.load or (cfg.save if cfg.resume and cfg.save and Path(cfg.save).expanduser().exists() else None)
+    page's own) gives the weights and a fresh optimizer, from epoch 0. Every task reads the files itself (a
+    folder one node cannot see, a file truncated on one): their verdicts are gathered (agree)."""
+    launch = idr_torch.current()
+    found = bool(cfg.resume and not cfg.load and Path(cfg.save).expanduser().exists())
+    load = cfg.load or (cfg.save if found else None)
+    problem, state = None, None
+    if load:
+        try:
+            model_state, state = read_model(load), read_resume(load, cfg, trainer.nb_part)
+            trainer.load(model_state, state["optimizer"] if state else None)
+        except RunError as exc:
+            problem = str(exc)
+        except (RuntimeError, ValueError, KeyError, IndexError) as exc:
+            problem = (f"--load {load} does not fit this model ({first_line(exc)[:160]}); rerun with the options it "
+                       "was saved with" + (f": {state.get('args')}" if state else ""))
+    seen = agree(problem, launch, found)
+    if len(set(seen)) > 1:
+        raise RunError(f"--resume: {cfg.save} exists for task(s) {[r for r, s in enumerate(seen) if s]} but not for "
+                       f"task(s) {[r for r, s in enumerate(seen) if not s]}: every task loads it; keep --save on a "
+                       "file system every node sees ($WORK, $SCRATCH)")
     if not load:
         return 0, 0, 0, None
-    model_state, state = read_model(load), read_resume(load, cfg, trainer.nb_part)
-    try:
-        trainer.load(model_state, state["optimizer"] if state else None)
-    except (RuntimeError, ValueError, KeyError, IndexError) as exc:
-        raise RunError(f"--load {load} does not fit this model ({first_line(exc)[:160]}); rerun "
-                       f"with the options it was saved with"
-                       + (f": {state.get('args')}" if state else "")) from None
     if state is None:
         log(f"loaded {load}: weights only (no {resume_file(load).name} beside it): fresh optimizer, epoch 0")
         return 0, 0, 0, None
@@ -1051,6 +1501,79 @@ def restore_rng(state: dict, rank: int) -> None:
             torch.cuda.set_rng_state_all(rngs[rank]["cuda"])
 
 
+class SaveLock:
+    """One writer per --save: rank 0 holds PATH.lock for the whole run, and a second run with the same --save is
+    refused at start-up with the holder's job, host and PID (the lock file holds them).
+
+    The lock is a POSIX byte-range lock (fcntl F_SETLK, Python's fcntl.lockf), not flock() and not an O_EXCL lock
+    file. It is the kind cluster file systems keep coherent across nodes: on IBM Spectrum Scale (GPFS: Jean Zay's
+    $WORK and $SCRATCH) fcntl locks exclude other nodes while flock() is node-local (measured on GPFS clusters:
+    tox-dev/filelock#389, ibm-granite/granite.build#322); NFS carries fcntl locks to the server (NLM, NFSv4) and
+    emulates flock() with them (flock(2), "NFS details"); Lustre keeps both coherent when mounted with -o flock,
+    and fails both (ENOSYS) with -o noflock: then this run says it cannot lock and goes on. The holder's kernel
+    (or the cluster's lock manager) releases the lock however the process ends, so a killed job leaves no stale
+    lock to guess about (an O_EXCL lock file would, and a PID can only be checked on its own node). Two POSIX
+    rules shape the code: the lock is the process's (a fork, as DataLoader workers do, does not inherit it), and
+    closing any descriptor of the file releases it, so the file is opened once. A clean exit removes the file."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def take(cls, save: str) -> SaveLock | None:
+        lock = lock_file(save)
+        for _ in range(5):
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:
+                raise RunError(f"--save {save}: cannot open its lock file {lock} ({exc.strerror}); if no run is "
+                               "writing this checkpoint, delete the lock file") from None
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EACCES, errno.EAGAIN):
+                    raise RunError(f"--save {save} is being written by another run: {cls.holder(lock)}; two runs "
+                                   "saving to one file overwrite each other's checkpoints: let that one end (or "
+                                   "scancel it), or give this one another --save") from None
+                log(f"notice: cannot lock {lock} ({exc.strerror}: a file system mounted without locks, such as "
+                    f"Lustre's -o noflock): a second run saving to {save} would not be detected")
+                return None
+            try:  # the holder removes the file when it ends: a lock on a removed file is no lock, take the new one
+                if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        else:
+            raise RunError(f"--save {save}: its lock file {lock} keeps being replaced; is another run starting?")
+        me = {"job": os.environ.get("SLURM_JOB_ID"), "job_name": os.environ.get("SLURM_JOB_NAME"),
+              "host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        return cls(lock, fd)
+
+    @staticmethod
+    def holder(lock: Path) -> str:
+        """Who holds `lock`, as it wrote itself there. Only for a process that does not hold it: closing any
+        descriptor of the file releases the process's POSIX locks on it."""
+        try:
+            who = json.loads(lock.read_text())
+            job = (f"job {who['job']}" + (f" ({who['job_name']})" if who.get("job_name") else "") + " on host "
+                   if who.get("job") else "a process on host ")
+            return f"{job}{who['host']}, PID {who['pid']}, since {who['since']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"a process that has not written its name in {lock} yet"
+
+    def release(self) -> None:
+        """Remove the file while still holding it, then let go: a run that opened it meanwhile finds it removed and
+        takes a new one."""
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self.fd)
+
+
 class StopRequest:
     """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit) or SIGTERM (scancel, preemption): finish
     the current step, checkpoint, exit 75. Every rank must stop at the same step, or DDP would wait for the
@@ -1059,7 +1582,7 @@ class StopRequest:
     EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the templates requeue on it
 
     def __init__(self) -> None:
-        self.signal: str | None = None
+        self.signal: str | None = PENDING_SIGNALS[-1] if PENDING_SIGNALS else None  # held since start-up
         self.flag = torch.zeros(1)
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handler)
@@ -1075,6 +1598,8 @@ class StopRequest:
 
 
 def reduce_max(values: list[float], device: str, world: int) -> list[float]:
+    """The largest of each value over the tasks. `device`: the stats device, the same part (the last, or the task's
+    one GPU) on every task, so on nccl every task meets in the communicator of that part, on its own GPU."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -1089,7 +1614,8 @@ def fingerprint(modules: list[nn.Module]) -> torch.Tensor:
 
 
 def divergence(fp: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> float:
-    """Largest difference of fingerprints between the replicas of `group`."""
+    """Largest difference of fingerprints between the replicas of `group`. `fp` is on the stats device (the same
+    part on every task: one communicator, each task on its own GPU)."""
     if size == 1:
         return 0.0
     everyone = [torch.empty_like(fp) for _ in range(size)]
@@ -1111,9 +1637,10 @@ class Epoch:
     t_begin: float = dataclasses.field(default_factory=time.time)
     t_timed: float | None = None  # when the timed steps began (after the warm-up)
     first_batch_at: float | None = None
+    first_bad: torch.Tensor | None = None  # the first step whose loss was not finite (0: none), on the device
 
 
-def train(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, source: Path | None,
+def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, source: Path | None,
           cuda: bool) -> int:
     """Data, the resume point, DDP, then per epoch: train, stop if asked, evaluate, save; the record."""
     world, rank, dp = launch.size, launch.rank, trainer.dp_size
@@ -1137,14 +1664,14 @@ def train(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, s
     for epoch in range(start_epoch, cfg.epochs):
         ep = train_epoch(cfg, trainer, train_loader, epoch, skip, step, stop, world)
         step = ep.step
+        check_finite(cfg, ep, epoch, world)  # before anything is saved over the last good checkpoint
         if startup_s is None and ep.first_batch_at is not None:  # imports, data, model: before step 1
             startup_s = ep.first_batch_at - psutil.Process().create_time()
         if stop.flag[0] > 0:  # agreed by every rank at the same step (a signal of its own alone is not)
             return stop_and_checkpoint(cfg, trainer, ep, epoch, len(train_loader), stop, world)
         skip = 0
         history.append(end_of_epoch(cfg, trainer, test_loader, epoch, ep, world, cuda))
-        if cfg.save:
-            save_progress(cfg, trainer, epoch + 1, 0, step, world)
+        if save_progress(cfg, trainer, epoch + 1, 0, step, world):
             log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}, step {step})")
         if cfg.max_steps and step >= cfg.max_steps:
             break
@@ -1152,10 +1679,26 @@ def train(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, s
     return 0
 
 
-def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Replica, launch: idr_torch.Launch,
+def check_finite(cfg: argparse.Namespace, ep: Epoch, epoch: int, world: int) -> None:
+    """Stop on a non-finite loss (a learning rate that diverges, bad data): one line that names the first step it
+    was seen at, every task at once, before anything is saved over the last good checkpoint. Checked after each
+    epoch (or stop), not each step: reading the loss every step would make the GPU wait for the host."""
+    never = torch.iinfo(torch.int64).max
+    first = torch.where(ep.first_bad > 0, ep.first_bad, never)
+    if world > 1:
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    step = int(first.item())
+    if step != never:
+        raise RunError(f"the loss is not finite (nan or inf) from step {step} (epoch {epoch + 1}) on: training "
+                       f"diverged; lower --lr (now {cfg.lr:g}), or check the data and the --load file"
+                       + (f"; {cfg.save} keeps its last save" if cfg.save else ""))
+
+
+def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Trainer, launch: idr_torch.Launch,
                  cuda: bool) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
     dp = trainer.dp_size  # replicas that each see their own share of the data
-    workers = cfg.workers if cfg.workers >= 0 else (min(4, max(0, launch.cpus_per_task - 1)) if cuda else 0)
+    # workers from the cores the task really has (cpu_threads), not from what SLURM_CPUS_PER_TASK asked
+    workers = cfg.workers if cfg.workers >= 0 else (min(4, max(0, cpu_threads(launch) - 1)) if cuda else 0)
     train_loader = make_loader(data["train_x"], data["train_y"], cfg.batch_size, dp, trainer.dp_rank, True,
                                cfg.seed, workers, cuda)
     # the stage layout's schedules want every batch the same size: a short last test batch is dropped there
@@ -1167,11 +1710,12 @@ def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Replica, launch: 
     return train_loader, test_loader
 
 
-def train_epoch(cfg: argparse.Namespace, trainer: Replica, loader: torch.utils.data.DataLoader, epoch: int,
+def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.data.DataLoader, epoch: int,
                 skip: int, step: int, stop: StopRequest, world: int) -> Epoch:
     """One epoch from batch `skip` on (resumed inside this epoch: same sampler order, those are done)."""
     loader.sampler.sampler.set_epoch(epoch)
-    ep = Epoch(step=step, stats=torch.zeros(3, dtype=torch.float64, device=trainer.stats_device))
+    ep = Epoch(step=step, stats=torch.zeros(3, dtype=torch.float64, device=trainer.stats_device),
+               first_bad=torch.zeros((), dtype=torch.int64, device=trainer.stats_device))
     t_last_log = time.time()
     for i, (x, y) in enumerate(loader):
         ep.batches = i + 1
@@ -1181,8 +1725,10 @@ def train_epoch(cfg: argparse.Namespace, trainer: Replica, loader: torch.utils.d
         if i == skip + cfg.warmup_steps:  # counted from the first batch this run trains on
             trainer.synchronize()
             ep.t_timed = time.time()
-        ep.stats += trainer.train_step(x, y)  # stays on the device: no .item() (a host sync) in the loop
+        stats = trainer.train_step(x, y)
+        ep.stats += stats  # stays on the device: no .item() (a host sync) in the loop
         ep.step += 1
+        ep.first_bad = torch.where(ep.first_bad.eq(0) & ~torch.isfinite(stats[0]), ep.step, ep.first_bad)
         ep.timed_steps += int(ep.t_timed is not None)
         if stop.agreed(world):
             break
@@ -1196,16 +1742,16 @@ def train_epoch(cfg: argparse.Namespace, trainer: Replica, loader: torch.utils.d
     return ep
 
 
-def evaluate(trainer: Replica, loader: torch.utils.data.DataLoader, world: int) -> float:
+def evaluate(trainer: Trainer, loader: torch.utils.data.DataLoader, world: int) -> float:
     acc = torch.zeros(2, dtype=torch.float64, device=trainer.stats_device)
     for x, y in loader:
         acc += trainer.eval_step(x, y)
     if world > 1:
-        dist.all_reduce(acc)
+        dist.all_reduce(acc)  # on the stats device, as reduce_max: one communicator, each task on its own GPU
     return (acc[0] / acc[1].clamp(min=1)).item()
 
 
-def end_of_epoch(cfg: argparse.Namespace, trainer: Replica, test_loader: torch.utils.data.DataLoader, epoch: int,
+def end_of_epoch(cfg: argparse.Namespace, trainer: Trainer, test_loader: torch.utils.data.DataLoader, epoch: int,
                  ep: Epoch, world: int, cuda: bool) -> dict:
     """The epoch's figures (summed over the replicas), evaluation, one line; the row of the record."""
     trainer.synchronize()
@@ -1231,19 +1777,20 @@ def end_of_epoch(cfg: argparse.Namespace, trainer: Replica, test_loader: torch.u
     return row
 
 
-def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Replica, ep: Epoch, epoch: int, n_batches: int,
+def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Trainer, ep: Epoch, epoch: int, n_batches: int,
                         stop: StopRequest, world: int) -> int:
     """Every rank stopped at the same step: checkpoint where we are (mid-epoch too), exit 75 (requeue)."""
     done_all = ep.batches == n_batches
-    save_progress(cfg, trainer, epoch + int(done_all), 0 if done_all else ep.batches, ep.step, world)
+    saved = save_progress(cfg, trainer, epoch + int(done_all), 0 if done_all else ep.batches, ep.step, world)
     log(f"stopping on {stop.signal or 'a signal to another task'} at epoch {epoch + 1}, "
         f"batch {ep.batches}/{n_batches}, step {ep.step}: "
-        + (f"checkpoint saved to {cfg.save}; run again with --resume (the templates requeue) to go on"
+        + (f"checkpoint saved to {cfg.save}; run again with --resume (the templates requeue) to go on" if saved
+           else f"the checkpoint could not be saved: --resume goes on from the previous one in {cfg.save}"
            if cfg.save else "no --save given, so this progress is lost"))
     return StopRequest.EXIT_CODE
 
 
-def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, history: list[dict],
+def finish(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, history: list[dict],
            startup_s: float | None, cuda: bool) -> None:
     """The replica check, the summary line and the JSON record."""
     gap = trainer.divergence()
@@ -1267,8 +1814,7 @@ def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, 
                   "nodes": launch.num_nodes, "tasks": launch.size, "tasks_per_node": launch.local_world_size,
                   "world_size": launch.size, "replicas": trainer.dp_size, "chunks": cfg.chunks,
                   "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * trainer.dp_size,
-                  **{k: getattr(cfg, k) for k in ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size",
-                                                  "precision", "activation_checkpointing", "zero")},
+                  **{a.dest: getattr(cfg, a.dest) for a in check_topology.ARGS if a.group in ("model", "memory")},
                   "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
                   "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
                   "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"], "host_rss_gb": history[-1]["host_rss_gb"],
@@ -1276,6 +1822,126 @@ def finish(cfg: argparse.Namespace, trainer: Replica, launch: idr_torch.Launch, 
                   "startup_s": startup_s, "total_s": total_s, "epochs": history}
         with open(cfg.json_out, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# errors every task sees: the start-up network, each task's own verdict, lost contact
+def this_task(launch: idr_torch.Launch) -> str:
+    """'task 3 on r7i1n2: ' where several tasks run (the prefix of a task's own error line), else ''."""
+    return f"task {launch.rank} on {socket.gethostname()}: " if launch.size > 1 else ""
+
+
+def agree(problem: str | None, launch: idr_torch.Launch, value: object = None) -> list:
+    """Every task's verdict on what it read or wrote alone (the folders of its node, files truncated on one node,
+    the --load file on node-local storage), gathered on the CPU group: a task that failed says its own error
+    (prefixed with its rank and host), the first task that did not says which failed, the others stop quietly;
+    the same error on every task is said once. Returns every task's `value` when no task failed."""
+    if launch.size == 1:
+        if problem:
+            raise RunError(problem)
+        return [value]
+    verdicts: list = [None] * launch.size
+    dist.all_gather_object(verdicts, (problem, socket.gethostname(), value), group=HOST_GROUP[0])
+    failed = [(rank, host, p) for rank, (p, host, _) in enumerate(verdicts) if p]
+    if not failed:
+        return [v for _, _, v in verdicts]
+    if len(failed) == launch.size and len({p for _, _, p in failed}) == 1:
+        raise RunError(problem)  # said once, by task 0
+    if problem:
+        raise TaskError(f"{this_task(launch)}{problem}")
+    if launch.rank == min(rank for rank, (p, _, _) in enumerate(verdicts) if not p):
+        rank, host, p = failed[0]
+        more = f" (and {len(failed) - 1} other task(s))" if len(failed) > 1 else ""
+        raise TaskError(f"{this_task(launch)}stopping: task {rank} on {host} failed{more}: {p[:300]}")
+    raise Quiet()
+
+
+def check_rendezvous(launch: idr_torch.Launch, timeout: float) -> None:
+    """Before init_process_group: the master's address resolves (every task, within seconds); on task 0, which
+    serves the rendezvous, it is an address of this host and the port is free. One line per task, instead of
+    160 lines of C++ frames after 2.6 x --timeout (an unresolvable name) or a task that waits for minutes on a
+    port another program holds."""
+    addr, port = launch.master_addr, launch.master_port
+    given = "MASTER_ADDR" in os.environ
+    where = f"node {addr} ({'MASTER_ADDR' if given else 'the first node of the step, where task 0 runs'})"
+    fix = ("export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1), or unset it: the kit "
+           "then uses the step's first node" if given else "check the node names Slurm gives (SLURM_STEP_NODELIST)")
+    limit = max(1.0, min(timeout, 20.0))
+    found: dict = {}
+
+    def lookup() -> None:
+        try:
+            found["ips"] = sorted({info[4][0] for info in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)})
+        except (OSError, UnicodeError) as exc:
+            found["error"] = getattr(exc, "strerror", None) or str(exc)
+
+    resolver = threading.Thread(target=lookup, daemon=True)  # a resolver that never answers must not hang us
+    resolver.start()
+    resolver.join(limit)
+    if "ips" not in found:
+        why = found.get("error") or f"no answer within {limit:g}s"
+        raise TaskError(f"{this_task(launch)}{where} does not resolve ({why}): the tasks cannot meet; {fix}")
+    if launch.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return  # torchrun's agent serves the rendezvous itself, on this port: nothing for task 0 to check
+    if not any(local_address(ip) for ip in found["ips"]):
+        raise TaskError(f"{this_task(launch)}{where} is {', '.join(found['ips'])}, not an address of this host "
+                        f"({socket.gethostname()}), where task 0 serves the rendezvous: the other tasks would wait "
+                        f"for nobody; {fix}")
+    for family, wildcard in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):  # as torch's TCPStore binds
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((wildcard, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    continue
+                held = exc.errno == errno.EADDRINUSE
+                raise TaskError(f"{this_task(launch)}port {port} (MASTER_PORT) on {socket.gethostname()} "
+                                + ("is in use by another program" if held else f"cannot be used ({exc.strerror})")
+                                + ": task 0 serves the rendezvous there; export MASTER_PORT=<a free port in "
+                                "10000-29999> (the same for every task), or unset it: the kit derives one from the "
+                                "job id") from None
+
+
+def local_address(ip: str) -> bool:
+    """Whether `ip` is one of this host's addresses (only those can be bound)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def rendezvous_deadline(launch: idr_torch.Launch, timeout: float):
+    """init_process_group within --timeout, said in one line. A task whose peer on MASTER_PORT is another program
+    (it accepts the connection and never answers) waited 200 s at --timeout 30, in C++, where no Python exception
+    reaches it: a timer ends it at --timeout + 15 s."""
+    where = f"{launch.master_addr}:{launch.master_port}"
+    what = (f"{this_task(launch)}the {launch.size} tasks did not all meet at {where} within --timeout {timeout:g}s"
+            if launch.size > 1 else f"the process group did not start at {where} within --timeout {timeout:g}s")
+
+    def give_up() -> None:
+        print(f"{PROG[0]}: error: {what}: task 0 is not serving the rendezvous there (it failed to start: see its "
+              "error; or the port is another program's); every task stops", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(timeout + 15, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError, DistStoreError (a timeout) and their kin
+        raise TaskError(f"{what} ({first_line(exc)[:200]}): a task did not start, or cannot reach task 0's node; "
+                        "every task stops") from None
+    finally:
+        timer.cancel()
 
 
 # What a collective raises when a peer task died or hung, and nothing else: gloo's "Connection closed by peer"
@@ -1292,12 +1958,21 @@ def is_comm_error(exc: BaseException) -> bool:
 
 
 def cli(main: Callable[[], int], prog: str) -> None:
-    """Run a trainer's main(); a user error is one line (every rank reaches the same verdict: say it once)."""
+    """Run a trainer's main(). A user error is one line: a verdict every task reaches is said by task 0, a task's
+    own error (TaskError, LaunchError) by that task; Quiet ones exit 1 without a line."""
+    PROG[0] = prog
     try:
         sys.exit(main())
+    except check_topology.ArgumentError as exc:  # the line itself: argparse's usage-error status
+        if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", ""):
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Quiet:
+        sys.exit(1)
     except (RunError, idr_torch.LaunchError) as exc:
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
-        if rank == 0 or isinstance(exc, (idr_torch.LaunchError, LostContact)):
+        value = (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip()
+        rank = int(value) if value.isdigit() else 0  # a malformed one is the LaunchError being reported
+        if rank == 0 or isinstance(exc, (idr_torch.LaunchError, TaskError)):
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
 

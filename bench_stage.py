@@ -11,87 +11,63 @@ On a Slurm cluster (a task per GPU):
     srun python bench_stage.py --pp 2 --schedule 1f1b --chunks 8 --batch-size 128 --data-dir $DSDIR/IMDB
 One machine, no GPU:
     torchrun --nproc-per-node 4 bench_stage.py --pp 2
+The trainer's verdict on its arguments alone, without importing torch (docs/arguments.md):
+    srun python bench_stage.py --check-args --pp 2 --schedule 1f1b --chunks 8
 """
 from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
+    import check_topology
+    sys.exit(check_topology.check_args_main("stage", sys.argv[1:]))
+
+# bench_ddp_transformer holds SIGUSR1/SIGTERM from its first lines when a trainer is the program (see there):
+# imported first, before torch, so a signal during start-up is not fatal here either
+HOLD_STOP_SIGNALS = True
+import bench_ddp_transformer as bench  # noqa: E402
 
 import argparse
 import inspect
 import os
-import sys
-import threading
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-import bench_ddp_transformer as bench
 import check_topology
 import idr_torch
 from bench_ddp_transformer import RunError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bench.base_parser(__doc__)
-    p.add_argument("--pp", type=int, default=2, help="tasks per pipeline (pipelines = world size / pp)")
-    p.add_argument("--schedule", choices=tuple(check_topology.SCHEDULES), default="1f1b")
-    p.add_argument("--virtual-stages", type=int, default=2,
-                   help=f"stages per task for {' and '.join(check_topology.MULTI_STAGE)}")
-    return p.parse_args(argv)
+    """The arguments, from check_topology's one definition of them (the stage layout's: --pp, --schedule,
+    --virtual-stages instead of --nb-part, --engine, --devices)."""
+    return check_topology.parse_trainer_args("stage", argv, __doc__)
 
 
 def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
     """A GPU per task; check_topology's verdict on the pipelines and the batch, before any process group."""
     findings = check_topology.Findings()
     plan = bench.task_plan(cuda, cfg.nlayers, 1, findings)
-    training = bench.training_of(cfg, layout="stage", pp=cfg.pp, schedule=cfg.schedule,
-                                 virtual_stages=cfg.virtual_stages)
-    launch = idr_torch.current()
-    parts = check_topology.check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, training,
-                                       findings, cpu=not cuda)
-    check_topology.check_training(parts, training, findings, cpu=not cuda)
-    for line in check_topology.torch_refusals(torch.__version__, training, cpu=not cuda):  # what this release lacks
-        findings.error("torch-release", line)
-    bench.verdict(cfg, findings)
+    check_topology.check_trainer_task("stage", cfg, plan, idr_torch.current(), cuda, torch.__version__, findings)
+    bench.verdict(findings)
     return plan
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.check_args:
+        return check_topology.check_args_main("stage", sys.argv[1:] if argv is None else argv)
     cuda = torch.cuda.is_available()
     bench.resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)
+    bench.use_gpus(plan)  # torch.cuda.set_device(the task's GPU), before anything touches CUDA
     return bench.run(cfg, cuda, "pipelining", lambda: Stages(cfg, plan, cuda))
 
 
-class Watchdog:
-    """Ends this task with one line when a step makes no progress for `timeout` seconds.
-
-    A rank blocked in a pipelining receive waits in C++ (gloo or nccl point-to-point, which take no timeout on the
-    releases tested); Python runs signal handlers only between bytecodes, so neither SIGTERM nor the stop request
-    reaches it. This thread still runs (the wait releases the GIL): it ends the task within --timeout."""
-
-    def __init__(self, timeout: float, rank: int) -> None:
-        self.timeout, self.rank, self.step, self.beat = timeout, rank, 0, time.monotonic()
-        self.done = threading.Event()
-        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
-
-    def tick(self, step: int) -> None:
-        self.step, self.beat = step, time.monotonic()
-
-    def stop(self) -> None:
-        self.done.set()
-
-    def _watch(self) -> None:
-        while not self.done.wait(min(5.0, self.timeout / 4)):
-            idle = time.monotonic() - self.beat
-            if idle > self.timeout:
-                print(f"bench_stage: error: task {self.rank} made no progress for {idle:.0f}s after "
-                      f"step {self.step} (--timeout {self.timeout:g}): a pipeline stage is blocked in a send or "
-                      "receive that never completes; stopping instead of waiting for the time limit",
-                      file=sys.stderr, flush=True)
-                os._exit(1)
+Watchdog = bench.Watchdog  # the shared one: a rank blocked in a pipelining send or receive waits in C++ forever
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
@@ -99,7 +75,7 @@ def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
     return [pp_rank + k * pp for k in range(virtual)]
 
 
-class Stages:
+class Stages:  # a bench.Trainer
     """Beyond the page: one task per GPU, torch.distributed.pipelining (PipelineStage + a schedule) across the
     `pp` tasks of a pipeline, DDP across the dp pipelines over each stage's group: a 2-D mesh (dp, pp) as in
     torchtitan. Consecutive ranks form a pipeline, so its stages stay on one node when tasks per node allow."""
@@ -113,11 +89,15 @@ class Stages:
         self.pp, self.virtual = cfg.pp, check_topology.stages_per_rank(cfg.schedule, cfg.virtual_stages)
         self.dp_size = idr_torch.size // self.pp
         self.nb_part = self.pp * self.virtual  # stages of one pipeline = parts of one replica
+        # One GPU per task, set before the mesh (main's use_gpus): init_device_mesh sets a device only when it creates
+        # the default group itself (rank % GPUs per node, _get_or_create_default_group, 2.4.1 to 2.13), and
+        # init_distributed bound the nccl group to this GPU (device_id=), so the mesh's dp and pp groups are split
+        # from it (split_group, where the release has it) and every collective below runs on it: DDP per stage
+        # over the dp group, the schedules' send/recv over the pp group (a communicator per pair, on
+        # PipelineStage's device), the shape inference's objects (device=self.device).
+        self.device = torch.device(plan.device(0))
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", (self.dp_size, self.pp), mesh_dim_names=("dp", "pp"))
         self.pp_rank, self.dp_rank = self.mesh["pp"].get_local_rank(), self.mesh["dp"].get_local_rank()
-        self.device = torch.device(plan.device(0))
-        if cuda:
-            torch.cuda.set_device(self.device)
         self.ids = stage_ids(self.pp_rank, self.pp, self.virtual)
         self.first_holder, self.last_holder = 0 in self.ids, self.nb_part - 1 in self.ids
         self.stats_device = self.device
@@ -155,7 +135,7 @@ class Stages:
 
     def start(self) -> None:
         from torch.distributed import pipelining
-        self.watchdog, self.steps = Watchdog(self.cfg.timeout, idr_torch.rank), 0
+        self.watchdog, self.steps = Watchdog(self.cfg.timeout, idr_torch.rank, "bench_stage"), 0
         dp_group, pp_group = self.mesh["dp"].get_group(), self.mesh["pp"].get_group()
         # The schedule runs one backward per micro-batch (no_sync on all but the last). DDP's first-iteration
         # bucket rebuild then counts every parameter once per micro-batch and fails an internal assert
@@ -275,7 +255,7 @@ class Stages:
     def placement(self, launch: idr_torch.Launch) -> dict:
         return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "stages": self.ids,
                 "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "nb_part": 1, "devices": [str(self.device)],
-                "gpu_ids": self.plan.gpu_ids}
+                "node_gpus": self.plan.node_gpus, **bench.cpu_placement()}
 
     def record(self) -> dict:
         return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": self.pp,

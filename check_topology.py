@@ -2,6 +2,7 @@
 """Pre-flight check of a hybrid pipeline + data parallel job, and the plan the trainer runs.
 
     python check_topology.py slurm/page_3nodes_4gpus.slurm        # before sbatch: #SBATCH header + srun line
+    python check_topology.py their_megatron_job.slurm             # any job script: the Slurm and Jean Zay layer
     python check_topology.py --nodes 3 --gpus-per-node 4 --ntasks-per-node 2 --nlayers 8    # planning
     python check_topology.py --nlayers 8 --chunks 4                # in a batch script: the allocation itself
     srun python check_topology.py --nlayers 8 --chunks 4           # every task checks what it really sees
@@ -17,18 +18,25 @@ bench_ddp_transformer.py builds its model from plan_task() below, so what this a
 No torch import here: checking a file must stay well under a second on a login node.
 
 One file, in two parts, because users copy it next to the trainers and both trainers import it:
-  Part I   the plan the trainers import (their `__all__`): I.1 arguments and defaults, I.2 the layer split,
-           I.3 this task's GPUs, I.4 memory, I.5 what each torch release can run, I.6 the trainers' checks of
-           their arguments. The trainers call these very functions, so their refusals are the checker's findings.
-  Part II  the pre-flight checker: II.1 what it catches, II.2 Slurm 22.05 (option tables and placement: a port
-           to a newer Slurm touches this block), II.3 Jean Zay, II.4 reading a job script, II.5 checking a job,
-           II.6 the report, II.7 inside an allocation, II.8 the command line.
+  Part I   the plan the trainers import (their `__all__`): I.1 the trainers' arguments, defined once (their
+           argparse, ranges, GPU and CPU defaults), I.2 the layer split, I.3 this task's GPUs, I.4 memory, I.5 what
+           each torch release can run, I.6 the trainers' checks of their arguments, and their --check-args. The
+           trainers call these very functions, so their refusals are the checker's findings.
+  Part II  the pre-flight checker: II.1 what it catches, II.2 Slurm 22.05 (the request, the option tables, the
+           option values sbatch checks, the placement of tasks and GPUs: a port to a newer Slurm touches this
+           block), II.3 Jean Zay in one table, II.4 reading a job script (the file, sbatch's directives, bash's
+           commands, the launch lines), II.5 checking a job (the kit's trainer in depth, any other program at the
+           Slurm and site level), II.6 the report, II.7 inside an allocation (the same checks), II.8 the command
+           line. How it reads scripts, and the sources of its rules: docs/checker.md.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
+import functools
 import json
+import math
 import os
 import re
 import shlex
@@ -36,20 +44,21 @@ import socket
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, NoReturn, Sequence
 
 import idr_torch
 
 # What the trainers (bench_ddp_transformer.py, bench_stage.py) and the benchmarks take from here: Part I.
-__all__ = ["GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", "ENGINES", "PRECISIONS", "SCHEDULES", "MULTI_STAGE",
-           "TRAINERS", "Training", "model_args", "below_one", "Finding", "Findings", "part_sizes", "split_layers",
-           "part_contents", "TaskPlan", "plan_task", "parse_devices", "GIB", "ARCHS", "PartMemory",
-           "attention_kernel", "estimate_memory", "estimate_stage_memory", "stage_actions", "worst_part",
-           "memory_line", "TORCH_FEATURES", "torch_refusals", "divisors", "check_training", "stages_per_rank",
-           "check_stage", "bubble"]
+__all__ = ["Arg", "ARGS", "ARG", "GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", "ENGINES", "PRECISIONS", "SCHEDULES",
+           "MULTI_STAGE", "TRAINERS", "SCRIPTS", "MAX_GPUS_PER_NODE", "gpu_indices", "Training", "model_args",
+           "Finding", "Findings", "refusal_text", "ArgumentError", "trainer_parser", "TrainerLine", "read_trainer_argv",
+           "parse_trainer_args", "resolve_defaults", "training_from_args", "part_sizes", "split_layers",
+           "part_contents", "TaskPlan", "plan_task", "GIB", "ARCHS", "PartMemory", "attention_kernel",
+           "estimate_memory", "estimate_stage_memory", "stage_actions", "worst_part", "memory_line",
+           "TORCH_FEATURES", "torch_refusals", "divisors", "check_arguments", "check_training", "stages_per_rank",
+           "check_stage", "bubble", "check_trainer_task", "check_args", "check_args_main"]
 
 
 # ======================================================================================================================
@@ -57,20 +66,18 @@ __all__ = ["GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", "ENGINES", "PRECISIONS
 # ======================================================================================================================
 
 
-# ---- I.1 Arguments and defaults --------------------------------------------------------------------------------------
+# ---- I.1 The trainers' arguments, defined once -----------------------------------------------------------------------
 
-# The trainer's defaults live here so the checker (which must not import torch) judges exactly what runs.
-# GPU: big enough that the page's reason for model parallelism (activations of a deep model) holds.
-GPU_DEFAULTS = dict(nlayers=16, d_model=1024, n_head=16, d_hid=4096, seq_len=256, vocab_size=30000,
-                    chunks=4, batch_size=64, dropout=0.1)
-
-# CPU (CI, laptops): small enough for a 2-core machine to learn the synthetic task in well under a minute.
-# No dropout there: on the CPU its random masks cost as much as the matmuls of so small a model.
-CPU_DEFAULTS = dict(nlayers=4, d_model=64, n_head=4, d_hid=128, seq_len=64, vocab_size=2000,
-                    chunks=2, batch_size=32, dropout=0.0)
+# Every argument of the two trainers is defined once, in ARGS: its name, type, GPU and CPU defaults, choices, range,
+# help, and the layouts that have it. bench_ddp_transformer.py and bench_stage.py build their argparse from it
+# (trainer_parser); the checker reads a job script's trainer line with that same parser (read_trainer_argv) and takes
+# the same names on its own command line. So the checker refuses a line exactly when the trainer would, in its words,
+# and never judges a default where the line means something else. docs/arguments.md lists them with their ranges.
 
 CPU_NB_PART = 2  # no GPU: still split in two so the pipeline is exercised
 ENGINES = ("auto", "torch-pipe", "fairscale")
+# --precision's names: fp32 (no autocast), bf16 or fp16 autocast; the trainer maps each name to its torch dtype
+# (bench_ddp_transformer.AUTOCAST_DTYPE)
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 # The stage layout (bench_stage.py): torch.distributed.pipelining's schedules, by --schedule name (the one list of
@@ -82,29 +89,215 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b"
 
 MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
 TRAINERS = {"bench_ddp_transformer.py": "replica", "bench_stage.py": "stage"}  # the script sets the layout
+SCRIPTS = {layout: script for script, layout in TRAINERS.items()}
 
-# arguments each trainer's argparse refuses (the other layout's): the checker must not approve a line that can't start
-NOT_ARGS = {"replica": ("--layout", "--pp", "--schedule", "--virtual-stages"),
-            "stage": ("--layout", "--nb-part", "--engine", "--devices")}
+# What a site can have. Every count is bounded, so that a typo (--nlayers 999999999) is refused at once, in one line,
+# instead of a checker that plans a billion layers or a job that fails after its wait in the queue.
+MAX_GPUS_PER_NODE = 16  # the largest GPU nodes (DGX-2, HGX-2); Jean Zay's have 4 or 8
+
+
+def gpu_indices(text: str) -> list[int]:
+    """--devices 0,0: a visible GPU index per part (0,0 puts two parts on one GPU, for a one-GPU check)."""
+    devices = [int(x) for x in text.split(",")]
+    if len(devices) > MAX_GPUS_PER_NODE or not all(0 <= d < MAX_GPUS_PER_NODE for d in devices):
+        raise ValueError(text)
+    return devices
+
+
+def _show(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One trainer argument. `kind` converts its text (None: a switch); `gpu` and `cpu` are its defaults with a GPU
+    and without one (cpu=...: the same); lo..hi its range (lo_open, hi_open: that bound excluded); `why` says, in a
+    refusal, what the range or a special value means."""
+    flag: str
+    kind: Callable[[str], object] | None
+    gpu: object = None
+    cpu: object = ...
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple = ()
+    layouts: tuple[str, ...] = ("replica", "stage")
+    group: str = "run"  # model (a GPU and a CPU default), memory, pipeline, run, files, mode
+    help: str = ""
+    why: str = ""
+    code: str = "bad-argument"  # the finding of a value the trainer refuses
+    checkpoint: bool = False  # a checkpoint must match it (bench_ddp_transformer.layout_of)
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def cpu_default(self) -> object:
+        return self.gpu if self.cpu is ... else self.cpu
+
+    @property
+    def checked(self) -> bool:
+        """The checker's plan, memory model or checks use it: the checker's command line takes it too."""
+        return self.group in ("model", "memory", "pipeline")
+
+    def example(self) -> str:
+        if self.gpu is not None or self.lo is not None:
+            return _show(self.gpu if self.gpu is not None else self.lo)
+        return "0,0" if self.kind is gpu_indices else "PATH"
+
+    def range_text(self) -> str:
+        if self.kind is gpu_indices:
+            return f"GPU indices separated by commas, one per part, each from 0 to {MAX_GPUS_PER_NODE - 1}"
+        what, lo, hi = "an integer" if self.kind is int else "a number", _show(self.lo), _show(self.hi)
+        if not (self.lo_open or self.hi_open):
+            return f"{what} from {lo} to {hi}"
+        return (f"{what} {'above' if self.lo_open else 'at least'} {lo} and "
+                f"{'below' if self.hi_open else 'at most'} {hi}")
+
+    def refusal(self, raw: str) -> str:
+        """The one line for a value this argument refuses: the value as written, what it must be, an example."""
+        if self.choices:
+            return f"{self.flag} {raw!r} is not one of {', '.join(self.choices)}; e.g. {self.flag} {self.example()}"
+        try:
+            float(raw)
+            shown = raw
+        except ValueError:
+            shown = repr(raw)
+        why = f" ({self.why})" if self.why else ""
+        return f"{self.flag} {shown} must be {self.range_text()}{why}; e.g. {self.flag} {self.example()}"
+
+    def convert(self, raw: str | bool) -> tuple[object, str | None]:
+        """(value, None), or (None, the refusal)."""
+        if self.kind is None:
+            return bool(raw), None
+        try:
+            value = self.kind(raw)
+        except ValueError:
+            return None, self.refusal(raw)
+        if self.choices:
+            return (value, None) if value in self.choices else (None, self.refusal(raw))
+        if isinstance(value, float) and not math.isfinite(value):
+            return None, self.refusal(raw)
+        if self.lo is not None and (value < self.lo or self.lo_open and value == self.lo):
+            return None, self.refusal(raw)
+        if self.hi is not None and (value > self.hi or self.hi_open and value == self.hi):
+            return None, self.refusal(raw)
+        return value, None
+
+    def help_text(self) -> str:
+        bits = []
+        if self.group == "model":
+            bits.append(f"default: GPU {_show(self.gpu)}, CPU {_show(self.cpu_default)}")
+        elif self.kind is not None and self.gpu is not None:
+            bits.append(f"default {_show(self.gpu)}")
+        if self.lo is not None:
+            bits.append(self.range_text().split(" ", 2)[2])
+        return (self.help + (f" ({'; '.join(bits)})" if bits else "")).replace("%", "%%")
+
+
+ARGS = (
+    # The model and the batch. GPU: big enough that the page's reason for model parallelism (activations of a deep
+    # model) holds. CPU (CI, laptops): small enough for a 2-core machine to learn the synthetic task in well under a
+    # minute; no dropout there, its random masks cost as much as the matmuls of so small a model.
+    Arg("--nlayers", int, 16, 4, 1, 1024, group="model", checkpoint=True, help="Layer blocks"),
+    Arg("--d-model", int, 1024, 64, 2, 65536, group="model", checkpoint=True,
+        help="width (even, a multiple of --n-head)"),
+    Arg("--n-head", int, 16, 4, 1, 1024, group="model", checkpoint=True, help="attention heads"),
+    Arg("--d-hid", int, 4096, 128, 1, 262144, group="model", checkpoint=True, help="feed-forward width"),
+    Arg("--dropout", float, 0.1, 0.0, 0, 1, hi_open=True, group="model", why="a probability",
+        help="dropout (on the CPU its masks cost as much as the matmuls)"),
+    Arg("--seq-len", int, 256, 64, 1, 131072, group="model", checkpoint=True, help="tokens per review"),
+    Arg("--vocab-size", int, 30000, 2000, 3, 10_000_000, group="model", checkpoint=True,
+        why="the two special tokens <pad> and <unk>, and at least one word", help="vocabulary incl. <pad>,<unk>"),
+    Arg("--chunks", int, 4, 2, 1, 4096, group="model", help="micro-batches per batch: 1 = naive model parallel"),
+    Arg("--batch-size", int, 64, 32, 1, 65536, group="model", help="samples per step per replica"),
+    # the page's closing advice: what a GPU holds
+    Arg("--precision", str, "fp32", choices=PRECISIONS, group="memory",
+        help="autocast: bf16 (A100, H100, CPU), or fp16 with a GradScaler (V100 has no bf16); weights stay fp32"),
+    Arg("--activation-checkpointing", None, False, group="memory",
+        help="each Layer keeps only its input and recomputes the rest in backward (torch.utils.checkpoint)"),
+    Arg("--zero", None, False, group="memory", help="ZeroRedundancyOptimizer: AdamW's state sharded over the replicas"),
+    # the replica layout's pipeline (bench_ddp_transformer.py)
+    Arg("--nb-part", int, None, lo=1, hi=MAX_GPUS_PER_NODE, layouts=("replica",), group="pipeline",
+        help=f"GPUs per replica (default: the page's GPUs per node // tasks per node; CPU {CPU_NB_PART})"),
+    Arg("--engine", str, "auto", choices=ENGINES, layouts=("replica",), group="pipeline", code="bad-engine",
+        help="auto: torch-pipe on torch <= 2.3, else fairscale"),
+    Arg("--devices", gpu_indices, None, layouts=("replica",), group="pipeline",
+        help="visible GPU index of each part instead of the page's indexing; 0,0 puts both parts on one GPU "
+             "(benchmarks/gpu_check.py on a one-GPU node)"),
+    # the stage layout's pipeline (bench_stage.py)
+    Arg("--pp", int, 2, lo=2, hi=1024, layouts=("stage",), group="pipeline",
+        why="a pipeline needs at least 2 stages; for pure data parallel use bench_ddp_transformer.py --nb-part 1",
+        help="tasks per pipeline (pipelines = world size / pp)"),
+    Arg("--schedule", str, "1f1b", choices=tuple(SCHEDULES), layouts=("stage",), group="pipeline",
+        code="bad-schedule", help="torch.distributed.pipelining's schedule"),
+    Arg("--virtual-stages", int, 2, lo=1, hi=64, layouts=("stage",), group="pipeline",
+        help=f"stages per task for {' and '.join(MULTI_STAGE)}"),
+    # the run
+    Arg("--epochs", int, 3, lo=1, hi=100_000),
+    Arg("--max-steps", int, 0, lo=0, hi=10**9, why="0: no limit", help="stop after this many steps in all"),
+    Arg("--warmup-steps", int, 3, lo=0, hi=10**6, help="steps left out of the timing (allocator, autotuning)"),
+    Arg("--lr", float, 1e-3, lo=0, hi=10, lo_open=True, help="AdamW's learning rate"),
+    # torch.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed onto a positive one; the trainer seeds
+    # rank r with seed + 1 + r and the sampler with seed + epoch, which this range keeps valid and distinct
+    Arg("--seed", int, 1234, lo=0, hi=2**63 - 1, help="the model's initial weights, the data order, dropout"),
+    Arg("--synthetic", int, 0, lo=0, hi=10_000_000, why="0: IMDB, or 4000 synthetic reviews where there is none",
+        help="N synthetic reviews instead of IMDB"),
+    Arg("--workers", int, -1, lo=-1, hi=64, why="-1: from --cpus-per-task on a GPU, 0 on the CPU",
+        help="DataLoader workers"),
+    Arg("--timeout", float, 600.0, lo=0, hi=7 * 86400, lo_open=True, why="seconds, at most a week",
+        help="seconds before a collective with a dead rank gives up"),
+    Arg("--log-every", float, 30.0, lo=0, hi=86400, help="seconds between progress lines within an epoch"),
+    # files
+    Arg("--data-dir", str, group="files",
+        help="aclImdb/ or aclImdb_v1.tar.gz, or a folder holding one (default $DSDIR/IMDB)"),
+    Arg("--cache-dir", str, group="files", help="where the tokenised corpus is cached (default $SCRATCH, else the "
+        "data's folder if writable, else ./.cache)"),
+    Arg("--json-out", str, group="files", help="append one JSON line with the configuration and results (rank 0)"),
+    Arg("--save", str, group="files", help="write the checkpoint here after each epoch (rank 0, atomically)"),
+    Arg("--load", str, group="files", help="start from this checkpoint (every rank loads it)"),
+    Arg("--resume", None, False, group="files",
+        help="start from the --save file if it exists (a requeued job continues)"),
+    Arg("--check-args", None, False, group="mode",
+        help="check the arguments as the trainer does (this task's plan from the environment, the GPU or CPU "
+             "defaults), print the verdict and exit with the trainer's status, without importing torch"),
+)
+ARG = {a.dest: a for a in ARGS}
+
+# The model and batch the trainer runs where the line gives none (views of ARGS, for the memory model and tests).
+GPU_DEFAULTS = {a.dest: a.gpu for a in ARGS if a.group == "model"}
+CPU_DEFAULTS = {a.dest: a.cpu_default for a in ARGS if a.group == "model"}
 
 
 @dataclass
 class Training:
+    """A trainer's arguments as the plan and the checks use them: None where the line gives none (the GPU or CPU
+    default applies), the line's own values elsewhere."""
     nlayers: int | None = None
     chunks: int | None = None
     batch_size: int | None = None
-    engine: str = "auto"
+    engine: str = ARG["engine"].gpu
     nb_part: int | None = None
     layout: str = "replica"
-    pp: int = 2
-    schedule: str = "1f1b"
-    virtual_stages: int = 2
-    precision: str = "fp32"  # fp32, bf16 or fp16 (autocast)
+    pp: int = ARG["pp"].gpu
+    schedule: str = ARG["schedule"].gpu
+    virtual_stages: int = ARG["virtual_stages"].gpu
+    precision: str = ARG["precision"].gpu  # fp32, bf16 or fp16 (autocast)
     activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
     zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
     model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
     devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
-    unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables
+    unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables, as written
+    unknown: list[str] = field(default_factory=list)  # names (nlayers, chunks, ...) whose value is not known here
+
+    def known(self, *names: str) -> bool:
+        """Whether the checks may judge these arguments: no shell variable (or line the trainer refuses) hides them."""
+        return not any(n in self.unknown for n in names)
+
+
+TRAINING_FIELDS = {f.name for f in fields(Training)}
 
 
 def model_args(t: "Training", cpu: bool = False, **given: int | float | None) -> dict:
@@ -117,9 +310,9 @@ def model_args(t: "Training", cpu: bool = False, **given: int | float | None) ->
     return model
 
 
-def below_one(values: dict) -> str | None:
-    """The one rule for counts, in the trainers and the checker: '--name N must be at least 1' for the first
-    count below 1 (None and non-numbers are someone else's business)."""
+def below_one_message(values: dict) -> str | None:
+    """'--name N must be at least 1' for the first count below 1, else None (None and non-numbers are someone
+    else's business): the checker's planning flags (--nodes ...)."""
     for name, v in values.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 1:
             return f"--{name.lstrip('-').replace('_', '-')} {v} must be at least 1"
@@ -146,6 +339,232 @@ class Findings(list):
     @property
     def errors(self) -> list[Finding]:
         return [f for f in self if f.level == "error"]
+
+
+def refusal_text(findings: Iterable[Finding]) -> str:
+    """The trainer's one line for its errors: 'code: message; code: message'."""
+    return "; ".join(f"{f.code}: {f.message}" for f in findings)
+
+
+class ArgumentError(ValueError):
+    """A trainer line that the trainer's argparse refuses: the trainer prints it as its one line and exits 2."""
+
+    def __init__(self, message: str, findings: Findings | None = None) -> None:
+        super().__init__(message)
+        self.findings = findings if findings is not None else Findings()
+
+
+class _TrainerParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse would print its usage and exit: the caller reports it
+        raise ArgumentError(message)
+
+
+# Abbreviations are refused (allow_abbrev=False), with a did-you-mean that names the full option. argparse would take
+# any unambiguous prefix (--batch 256 as --batch-size 256), but a prefix that is unambiguous today becomes ambiguous,
+# or silently means another option, the day an option is added, and a job script is read later by people who should
+# not need argparse's rules to know what it runs. Underscores get the same did-you-mean (--batch_size: --batch-size).
+def trainer_parser(layout: str, doc: str | None = None) -> argparse.ArgumentParser:
+    """The argparse of bench_ddp_transformer.py (layout "replica") or bench_stage.py ("stage"), built from ARGS.
+    Values stay text: read_trainer_argv converts and checks them, so that every refusal is a finding."""
+    p = _TrainerParser(prog=SCRIPTS[layout], description=(doc or "").split("\n\n")[0].strip() or None,
+                       formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False, add_help=False)
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    for a in ARGS:
+        if layout not in a.layouts:
+            continue
+        if a.kind is None:
+            p.add_argument(a.flag, dest=a.dest, action="store_true", help=a.help_text())
+        else:
+            metavar = "{" + ",".join(a.choices) + "}" if a.choices else None
+            p.add_argument(a.flag, dest=a.dest, metavar=metavar, help=a.help_text())
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _reading_parser(layout: str) -> argparse.ArgumentParser:
+    """trainer_parser without its description, built once: argparse's parsers keep no state between parses, and
+    building one costs more than reading a line with it."""
+    return trainer_parser(layout)
+
+
+@dataclass
+class TrainerLine:
+    """A trainer's command line as its argparse reads it."""
+    values: argparse.Namespace  # converted; None where the line gives nothing (the GPU or CPU default applies)
+    findings: Findings  # what the trainer refuses, in its words
+    given: list[str]  # the names (dests) the line gives
+    unknown: list[str] = field(default_factory=list)  # names whose value is a shell variable (all: the line is refused)
+    unchecked: list[str] = field(default_factory=list)  # the shell variables, as written ('--chunks $C', '$ARGS')
+    standalone: list[str] = field(default_factory=list)  # those that may hold any arguments ('$ARGS', '$@')
+    help: bool = False
+
+
+def unknown_option(token: str, flags: Iterable[str], prog: str) -> str:
+    """The refusal of an option argparse does not have, naming the full option it may stand for."""
+    name = token.partition("=")[0]
+    flags = list(flags)
+    dashed = "--" + name.lstrip("-").replace("_", "-") if name.startswith("--") else name
+    head = f"{name} is not an option of {prog}"
+    if dashed != name and dashed in flags:
+        return f"{head}: did you mean {dashed}? (options are written with '-', not '_')"
+    prefixed = [f for f in flags if len(dashed) > 2 and f.startswith(dashed)]
+    if prefixed:
+        return (f"{head}: did you mean {' or '.join(prefixed[:4])}? (abbreviations are refused: one that is "
+                "unambiguous today may mean another option tomorrow; write the option in full)")
+    close = difflib.get_close_matches(dashed, flags, n=3, cutoff=0.7)
+    if close:
+        return f"{head}: did you mean {' or '.join(close)}?"
+    return f"{head}; `python {prog} --help` lists its options"
+
+
+def _argparse_refusal(message: str) -> str:
+    """argparse's own error, said as the other refusals are: the option, what is wrong, the fix."""
+    m = re.match(r"argument ([^:]+): (.*)", message)
+    if not m:
+        return message
+    flag, what = m.group(1).split("/")[-1], m.group(2)
+    arg = ARG.get(flag[2:].replace("-", "_"))
+    if what.startswith("expected one argument") and arg:
+        return (f"{flag} needs a value, e.g. {flag} {arg.example()} (a value that starts with '-' is written "
+                f"{flag}=VALUE)")
+    if what.startswith("ignored explicit argument"):
+        return f"{flag} is a switch and takes no value: write {flag} alone"
+    return f"{flag}: {what}"
+
+
+def _is_variable(token: str) -> bool:
+    """A shell expansion the script's reader could not do, standing where an option or a word goes ('$ARGS',
+    '"$@"', '--$OPT'); '--chunks=$C' is an option whose value is one."""
+    return "$" in (token.partition("=")[0] if token.startswith("-") else token)
+
+
+def _standalone_variables(tokens: list[str], valued: set[str]) -> list[int]:
+    """Where shell variables stand alone in a trainer's argv (not as an option's value, which argparse takes as
+    the next word when it does not start with '-'): each may hold any arguments."""
+    out, i = [], 0
+    while i < len(tokens):
+        if _is_variable(tokens[i]):
+            out.append(i)
+        elif tokens[i] in valued and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
+            i += 1
+        i += 1
+    return out
+
+
+def _without_other_layouts_options(layout: str, argv: list[str], findings: Findings) -> list[str]:
+    """argv less the other layout's options (and --layout) with their values, refused in one finding that names
+    them all and the script that has them."""
+    prog, other = SCRIPTS[layout], SCRIPTS["stage" if layout == "replica" else "replica"]
+    theirs = {a.flag for a in ARGS if layout not in a.layouts} | {"--layout"}
+    tokens, foreign, i = [], [], 0
+    while i < len(argv):
+        name, eq, _ = argv[i].partition("=")
+        if name in theirs:
+            foreign.append(name)
+            takes = name == "--layout" or ARG[name[2:].replace("-", "_")].kind is not None
+            i += 2 if takes and not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-") else 1
+            continue
+        tokens.append(argv[i])
+        i += 1
+    if foreign:
+        names = list(dict.fromkeys(foreign))
+        options = [n for n in names if n != "--layout"]
+        why = (["the script sets the layout"] if "--layout" in names else []) + (
+            [f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} {other}'s"] if options else [])
+        findings.error("bad-layout", f"{prog} has no {', '.join(names)} ({'; '.join(why)}); " + (
+            f"use {other} for the {TRAINERS[other]} layout" if options else "remove it"))
+    return tokens
+
+
+def read_trainer_argv(layout: str, argv: Sequence[str], shell: bool = False) -> TrainerLine:
+    """Read a trainer's argv as its argparse does: the trainers' parse_args and the checker both call this, so the
+    checker's findings on a line are the trainer's own refusals. shell=True (the checker): a token with '$' is a
+    shell expansion the script's reader could not do; as an option's value that option is unknown, alone it may hold
+    any arguments, so every argument it could set is unknown (those given after it are not: they win)."""
+    prog, mine = SCRIPTS[layout], {a.flag: a for a in ARGS if layout in a.layouts}
+    findings = Findings()
+    tokens = _without_other_layouts_options(layout, list(argv), findings)
+    standalone = _standalone_variables(tokens, {f for f, a in mine.items() if a.kind is not None}) if shell else []
+    parser = _reading_parser(layout)
+    try:
+        ns, extras = parser.parse_known_args(tokens)
+    except ArgumentError as exc:
+        findings.error("bad-argument", _argparse_refusal(str(exc)))
+        ns, extras = parser.parse_known_args([])
+    value_of_unknown = False  # a word after an unknown option is taken as its value, said with it
+    for tok in extras:
+        if shell and _is_variable(tok):  # a standalone variable (below)
+            value_of_unknown = False
+        elif tok.startswith("-") and len(tok) > 1:
+            findings.error("unknown-argument", unknown_option(tok, mine, prog))
+            value_of_unknown = "=" not in tok
+        elif not value_of_unknown:
+            findings.error("unknown-argument", f"{tok!r} is not an option of {prog}: its arguments are all "
+                           "--name VALUE or --switch")
+        else:
+            value_of_unknown = False
+    line = TrainerLine(ns, findings, [], help=bool(ns.help))
+    for a in mine.values():
+        raw = getattr(ns, a.dest)
+        if raw is None or raw is False:
+            setattr(ns, a.dest, a.gpu if a.group != "model" else None)
+            continue
+        line.given.append(a.dest)
+        if shell and isinstance(raw, str) and "$" in raw and a.group != "files":  # (paths: nothing judges them)
+            line.unknown.append(a.dest)
+            line.unchecked.append(f"{a.flag} {raw}")
+            setattr(ns, a.dest, None if a.group == "model" else a.gpu)
+            continue
+        value, problem = a.convert(raw)
+        if problem:
+            findings.error(a.code, problem)
+        setattr(ns, a.dest, value)
+    del ns.help
+    for i in standalone:
+        line.standalone.append(tokens[i])
+        line.unchecked.append(tokens[i])
+    if standalone:
+        after = {tok.partition("=")[0] for tok in tokens[standalone[-1] + 1:]}
+        line.unknown += [a.dest for f, a in mine.items() if f not in after and a.dest not in line.unknown]
+    if findings.errors:  # the trainer does not start: judge nothing else on this line
+        line.unknown = [a.dest for a in mine.values()]
+    return line
+
+
+def parse_trainer_args(layout: str, argv: Sequence[str] | None = None, doc: str | None = None) -> argparse.Namespace:
+    """A trainer's parse_args: its values (None where the GPU or CPU default applies: resolve_defaults), or
+    ArgumentError with the line's refusals; --help prints the help and exits."""
+    line = read_trainer_argv(layout, sys.argv[1:] if argv is None else argv)
+    if line.findings.errors:
+        raise ArgumentError(refusal_text(line.findings.errors), line.findings)
+    if line.help:
+        trainer_parser(layout, doc).print_help()
+        sys.exit(0)
+    return line.values
+
+
+def resolve_defaults(values: argparse.Namespace, cuda: bool) -> argparse.Namespace:
+    """Fill the model's arguments the line left out with the GPU or CPU default (the trainer, and --check-args)."""
+    for dest, default in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
+        if getattr(values, dest, None) is None:
+            setattr(values, dest, default)
+    return values
+
+
+def training_from_args(values: argparse.Namespace | dict, layout: str,
+                       names: Iterable[str] | None = None) -> Training:
+    """The Training of a trainer's arguments (`names`: only those, the others left at Training's defaults)."""
+    given = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
+    names = set(given if names is None else names)
+    t = Training(layout=layout)
+    for a in ARGS:
+        if a.dest not in names or a.dest not in given or layout not in a.layouts:
+            continue
+        if a.dest in TRAINING_FIELDS:
+            setattr(t, a.dest, given[a.dest])
+        elif a.group == "model" and given[a.dest] is not None:
+            t.model[a.dest] = given[a.dest]
+    return t
 
 
 # ---- I.2 The layer split ---------------------------------------------------------------------------------------------
@@ -197,7 +616,7 @@ class TaskPlan:
     tasks_on_node: int
     nb_part: int
     devices: list[int]  # index passed to .to(cuda:i) for each part: first_part .. last_part (empty on CPU)
-    gpu_ids: list[str]  # the node's GPU ids behind those indices (what nvidia-smi calls them)
+    node_gpus: list[str]  # the node's GPUs behind those indices, as Slurm and nvidia-smi number them
     bound: bool  # Slurm showed this task only its own GPUs
     nlayers: int
     cpu: bool = False
@@ -290,19 +709,6 @@ def explicit_devices(where: str, devices: Sequence[int], nb_part: int | None,
                       f"GPU {','.join(map(str, shared))}: they run one after the other and their memory adds up "
                       f"(a one-GPU check of the pipeline, not a speed figure)")
     return devices, n
-
-
-def parse_devices(value: str, where: str, findings: Findings) -> list[int] | None:
-    """--devices 0,0: visible GPU indices, one per part."""
-    try:
-        devices = [int(x) for x in value.split(",")]
-        if min(devices) < 0:
-            raise ValueError
-        return devices
-    except ValueError:
-        findings.error("bad-value", f"{where}: --devices {value!r} must be GPU indices separated by commas, "
-                       "one per part, e.g. --devices 0,0")
-        return None
 
 
 # ---- I.4 Memory: will it fit? ----------------------------------------------------------------------------------------
@@ -433,7 +839,7 @@ def _part_params(model: dict, layers: int, first: bool, last: bool) -> tuple[int
     return numel, max(sizes, default=0)
 
 
-@lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)
 def _stage_zero(d: int, dh: int, vocab: int, layers: int, first: bool, last: bool, replicas: int) -> int:
     """The most elements one rank of a stage's dp group owns under ZeroRedundancyOptimizer."""
     params = (([vocab * d] if first else []) + _layer_params(d, dh) * layers
@@ -446,7 +852,7 @@ def _zero_shares(params: list[tuple[int, int]], nb_part: int, replicas: int) -> 
     return list(_zero_owned(tuple(params), nb_part, replicas))
 
 
-@lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)
 def _zero_owned(params: tuple[tuple[int, int], ...], nb_part: int, replicas: int) -> tuple[int, ...]:
     sizes, owned = [0] * replicas, [[0] * nb_part for _ in range(replicas)]
     for numel, part in sorted(params, key=lambda p: p[0], reverse=True):  # stable, like torch's sorted()
@@ -825,7 +1231,7 @@ def _add(*parts: tuple[int, dict]) -> dict[str, int]:
     return out
 
 
-@lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def _forward(kind: str, z: _Dims, ckpt: bool) -> dict:
     """One block (Encoder, a Layer, the Decoder) forward for one micro-batch: its peak (`fw`), what it leaves until
     the part's forward ends (`kept`: under checkpointing autocast's weight copies too), what it leaves for the
@@ -847,7 +1253,7 @@ def _forward(kind: str, z: _Dims, ckpt: bool) -> dict:
                 names=frozenset(full.alive) | {"x"})
 
 
-@lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def _backward(kind: str, z: _Dims, ckpt: bool, mode: str) -> tuple[dict, int]:
     """One block's backward for one micro-batch, gradients by `mode`: its peak as terms, and its weight gradients."""
     ckpt = ckpt and kind == "layer"
@@ -857,7 +1263,7 @@ def _backward(kind: str, z: _Dims, ckpt: bool, mode: str) -> tuple[dict, int]:
     return _terms(t.at_peak, _forward(kind, z, ckpt)["names"], recomputed=ckpt), grads
 
 
-@lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def _stack(z: _Dims, ckpt: bool, layers: int, first: bool, last: bool, later: str) -> dict:
     """A part's blocks (Encoder if first, `layers` Layers, Decoder if last) for one micro-batch, as term dicts
     relative to what the other micro-batches hold: `mb` what one leaves saved, `fw` its forward's peak, `bw0` the
@@ -945,7 +1351,7 @@ def _worker_holds(part: int, nb_part: int, io: int, arch: str, chunks: int) -> t
             {"transient": io if not last and chunks > 1 else 0})
 
 
-@lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)
 def _replica_zero(d: int, dh: int, vocab: int, nlayers: int, nb_part: int, replicas: int) -> tuple[int, ...]:
     model = dict(d_model=d, d_hid=dh, vocab_size=vocab, nlayers=nlayers)
     return _zero_owned(tuple(_replica_params(model, nb_part)), nb_part, replicas)
@@ -1269,11 +1675,32 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_arguments(t: Training, cpu: bool = False) -> Findings:
+    """The trainers' refusals that need several arguments at once, on the values the trainer runs (the line's, else
+    the GPU or CPU defaults). One function for the trainers and the checker: check_training calls it. Each value's
+    own type and range are the definition's (Arg.convert, in read_trainer_argv)."""
+    findings = Findings()
+    model = model_args(t, cpu)
+    d, h = model["d_model"], model["n_head"]
+    if not t.known("d_model", "n_head") or d < 1 or h < 1:
+        return findings
+    if d % h:
+        findings.error("bad-argument", f"--d-model ({d}) must be a multiple of --n-head ({h}): each head gets "
+                       f"d_model / n_head dimensions; try --n-head {max(x for x in divisors(d) if x <= h)}")
+    if d % 2:
+        step = h * 2 // math.gcd(h, 2)
+        findings.error("bad-argument", f"--d-model ({d}) must be even (the positional encoding takes sines and "
+                       f"cosines in pairs); try --d-model {(d // step + 1) * step}")
+    return findings
+
+
 def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = False) -> None:
-    """The model and batch against the split: layers per part, chunks per batch."""
+    """The model and batch against the split: check_arguments, layers per part, chunks per batch. What the line
+    leaves unknown (a shell variable: t.unknown) is not judged, and no default is judged in its place."""
+    findings.extend(check_arguments(t, cpu))
     model = model_args(t, cpu)  # the trainer's defaults where the line gives nothing
     nlayers, chunks, batch = model["nlayers"], model["chunks"], model["batch_size"]
-    if nb_part >= 1:
+    if nb_part >= 1 and t.known("nlayers", "nb_part"):
         if nlayers < nb_part:
             findings.error("nlayers-below-nb-part",
                            f"--nlayers={nlayers} < nb_part={nb_part}: {nb_part - nlayers} GPU(s) of each task would "
@@ -1287,7 +1714,9 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
                           f"{max(sizes)} layers, the others {min(sizes)} (layers per part {sizes}); the slowest "
                           f"part sets the pace: try --nlayers {nlayers - nlayers % nb_part} or "
                           f"{nlayers + nb_part - nlayers % nb_part}")
-    if chunks < 1 or batch < 1:
+    if not t.known("chunks", "batch_size"):
+        pass
+    elif chunks < 1 or batch < 1:
         findings.error("bad-value", f"--chunks ({chunks}) and --batch-size ({batch}) must be positive")
     elif chunks > batch:
         findings.error("chunks-above-batch",
@@ -1298,15 +1727,12 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
         findings.error("chunks-not-dividing-batch",
                        f"--chunks={chunks} must divide the batch size per replica ({batch}): the micro-batches "
                        f"would differ in size; try --chunks {_choices(near)}")
-    if t.engine not in ENGINES:
+    if t.known("engine") and t.engine not in ENGINES:
         findings.error("bad-engine", f"--engine={t.engine!r} is not one of {', '.join(ENGINES)}")
-    if t.layout == "stage" and t.precision == "fp16":
+    if t.layout == "stage" and t.precision == "fp16" and t.known("precision"):
         findings.error("fp16-stage", "--precision fp16 needs a GradScaler around backward, but the stage layout's "
                        "schedules (torch.distributed.pipelining) run backward themselves; use --precision bf16, or "
                        "fp16 with bench_ddp_transformer.py (the replica layout)")
-    for arg in t.unchecked:
-        findings.warn("unchecked-argument", f"{arg} is a shell variable: not checked here; check each value "
-                      "with `python check_topology.py ... --nlayers/--chunks/--batch-size N`")
 
 
 def stages_per_rank(schedule: str, virtual: int) -> int:
@@ -1315,11 +1741,14 @@ def stages_per_rank(schedule: str, virtual: int) -> int:
 
 def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None, t: Training,
                 findings: Findings, cpu: bool = False) -> int:
-    """The stage layout (bench_stage.py): a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per pipeline."""
+    """The stage layout (bench_stage.py): a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per
+    pipeline (0 where the line leaves the pipelines unknown: nothing that depends on them is judged)."""
     pp, v = t.pp, stages_per_rank(t.schedule, t.virtual_stages)
     chunks = model_args(t, cpu)["chunks"]
-    if t.schedule not in SCHEDULES:
+    if t.known("schedule") and t.schedule not in SCHEDULES:
         findings.error("bad-schedule", f"--schedule {t.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if not t.known("pp", "schedule", "virtual_stages"):
+        return 0
     if pp < 2:
         findings.error("pp-too-small", f"--pp {pp}: a pipeline needs at least 2 stages; for pure data parallel "
                        "use bench_ddp_transformer.py --nb-part 1")
@@ -1341,6 +1770,8 @@ def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None
         findings.warn("pipeline-spans-nodes", f"--pp {pp} does not divide the {_choices(tasks_per_node)} tasks per "
                       f"node: some pipelines cross nodes and send activations over the network at every "
                       f"micro-batch; choose --pp in {_choices(d for d in divisors(min(tasks_per_node)) if d > 1)}")
+    if not t.known("chunks"):
+        return pp * v
     if t.schedule == "1f1b" and chunks < pp:
         findings.error("chunks-below-stages", f"--schedule 1f1b needs --chunks >= the {pp} stages of a pipeline "
                        f"(got {chunks}): try --chunks {pp * 2} or --schedule gpipe")
@@ -1362,7 +1793,7 @@ def check_bubble(nb_part: int, t: Training, findings: Findings) -> None:
     (Huang et al. 2019, sec. 2.3) finds it negligible when M >= 4 x K."""
     chunks = t.chunks if t.chunks is not None else GPU_DEFAULTS["chunks"]
     batch = t.batch_size if t.batch_size is not None else GPU_DEFAULTS["batch_size"]
-    if nb_part < 2 or chunks < 1 or chunks >= 4 * nb_part:
+    if nb_part < 2 or chunks < 1 or chunks >= 4 * nb_part or not t.known("chunks", "batch_size", "nb_part"):
         return
     idle = bubble(nb_part, chunks)
     need = 4 * (nb_part - 1) + 1  # the fewest chunks that bring the bubble under 20 %
@@ -1373,6 +1804,96 @@ def check_bubble(nb_part: int, t: Training, findings: Findings) -> None:
                   f"--chunks={chunks} is below 4 x nb_part = {4 * nb_part}: the pipeline bubble keeps each GPU idle "
                   f"(nb_part-1)/(chunks+nb_part-1) = {nb_part - 1}/{chunks + nb_part - 1} = {idle:.0%} of every "
                   f"step; {fix} brings it under 20 %")
+
+
+def check_trainer_task(layout: str, values: argparse.Namespace, plan: TaskPlan, launch: idr_torch.Launch,
+                       cuda: bool, torch_version: str, findings: Findings) -> None:
+    """What a trainer refuses before it builds anything, given its arguments (defaults filled) and this task's
+    plan: the pipelines (stage layout), the model and batch against the split (check_training, which runs
+    check_arguments), and what this torch release lacks. The trainers' make_plan and their --check-args call it."""
+    t = training_from_args(values, layout)
+    if layout == "stage":
+        parts = check_stage(launch.size, launch.tasks_per_node, launch.gpus_on_node, t, findings, cpu=not cuda)
+    else:
+        parts = plan.nb_part
+    check_training(parts, t, findings, cpu=not cuda)
+    for line in torch_refusals(torch_version, t, cpu=not cuda):  # what this release lacks
+        findings.error("torch-release", line)
+
+
+def visible_gpus_here(launch: idr_torch.Launch) -> list[str]:
+    """The GPUs this task would use, found without torch: CUDA_VISIBLE_DEVICES (Slurm sets it for --gres and
+    --gpus*), else the node's /dev/nvidiaN devices, which CUDA enumerates when nothing restricts it."""
+    if "CUDA_VISIBLE_DEVICES" in launch.env:
+        return launch.visible_gpus
+    return [str(i) for i in range(sum(1 for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)))]
+
+
+def installed_torch_version() -> str | None:
+    """The release of the torch the trainer would import, read without importing it: its torch/version.py, else
+    its package metadata; None where there is no torch."""
+    import importlib.metadata
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    version = Path(spec.origin).parent / "version.py"
+    m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", version.read_text(), re.M) if version.is_file() else None
+    try:
+        return m.group(1) if m else importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_args(layout: str, argv: Sequence[str], environ: dict[str, str] | None = None
+               ) -> tuple[int, Findings, TaskPlan | None]:
+    """Judge a trainer's line as the trainer does before it touches a GPU: this task's plan from the launcher's
+    environment (idr_torch, whose LaunchError it raises as the trainer does), GPU or CPU defaults from the GPUs it
+    sees, the torch release installed. Returns the trainer's exit status (0; 1: a refusal; 2: a line its argparse
+    refuses), what it says, and the plan."""
+    try:
+        values = parse_trainer_args(layout, argv)
+    except ArgumentError as exc:
+        return 2, exc.findings, None
+    findings = Findings()
+    launch = idr_torch.Launch(environ) if environ is not None else idr_torch.current()
+    version = installed_torch_version()
+    if version is None:
+        findings.error("torch-release", "torch is not installed for this python: load the cluster's PyTorch module "
+                       "(module load pytorch-gpu/py3/...) or pip install torch")
+        return 1, findings, None
+    visible = visible_gpus_here(launch)
+    resolve_defaults(values, cuda=bool(visible))
+    plan = plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, visible,
+                     launch.gpus_on_node, values.nlayers, 1 if layout == "stage" else values.nb_part, findings,
+                     getattr(values, "devices", None))
+    check_trainer_task(layout, values, plan, launch, bool(visible), version, findings)
+    return (1 if findings.errors else 0), findings, plan
+
+
+def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | None = None) -> int:
+    """A trainer's --check-args: check_args, printed as the trainer prints (warnings and the verdict from rank 0,
+    a launcher error from every rank), and its exit status. No torch import: it takes a tenth of a second."""
+    prog = SCRIPTS[layout].removesuffix(".py")
+    env = os.environ if environ is None else environ
+    first = (env.get("RANK") or env.get("SLURM_PROCID") or "0").strip() in ("0", "")  # as the trainer's cli()
+    try:
+        status, findings, plan = check_args(layout, argv, environ)
+    except idr_torch.LaunchError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if first:
+        for f in findings:
+            if f.level != "error":
+                print(f"check_topology: {f}", flush=True)
+    if status:
+        if first:
+            print(f"{prog}: error: {refusal_text(findings.errors)}", file=sys.stderr, flush=True)
+    elif first:
+        where = f"GPUs {','.join(plan.node_gpus)}" if plan.node_gpus else "the CPU"
+        print(f"{prog}: --check-args: task {plan.rank} would start: {plan.nb_part} part(s) on {where}, "
+              f"{'CPU' if plan.cpu else 'GPU'} defaults", flush=True)
+    return status
 
 
 # ======================================================================================================================
@@ -1391,22 +1912,35 @@ CATCHES = {
     # reading the script as sbatch 22.05 does
     "no-shebang": ("error", "the first line is not #! and an interpreter (sbatch refuses the file)"),
     "dos-line-breaks": ("error", "\\r\\n line ends (sbatch refuses the file)"),
+    "script-too-large": ("error", "a script over 4 MiB (slurmctld refuses it)"),
+    "not-a-script": ("error", "a file with NUL bytes, e.g. a binary (sbatch refuses it)"),
     "unknown-option": ("error", "an option sbatch or srun does not know, with a did-you-mean"),
     "ambiguous-option": ("error", "an abbreviation that matches several options (getopt refuses it)"),
     "option-prefix": ("warning", "an unambiguous abbreviation, which getopt accepts: write it in full"),
     "stray-token": ("error", "a word in a #SBATCH line that is not an option (sbatch refuses the file)"),
     "bad-directive": ("error", "a #SBATCH line that cannot be parsed (unbalanced quotes)"),
-    "bad-value": ("error", "a count, GPU request or binding that is not valid, e.g. -N=2"),
-    "bad-command": ("error", "a trainer line that cannot be parsed"),
+    "bad-value": ("error", "a value sbatch or srun refuses: a count (-N=2), --hint, --mem, --gpu-bind, --cpu-bind, "
+                  "--distribution, --exclusive, --signal, --mail-type, --open-mode, --gres-flags ..."),
+    "value-misread": ("warning", "a value sbatch accepts but reads otherwise than written (--gpu-bind=closes is "
+                      "closest, unknown --mail-type words are dropped)"),
+    "option-conflict": ("error", "options sbatch refuses together (--mem with --mem-per-cpu, --cpus-per-gpu with "
+                        "--cpus-per-task, --ntasks-per-gpu with --ntasks-per-node)"),
+    "hint-ignored": ("warning", "--hint with --ntasks-per-core or --threads-per-core: Slurm drops the hint"),
+    "count-too-large": ("error", "a count above what any Jean Zay node or partition has (nothing is planned from it)"),
+    "bad-command": ("error", "a command line bash cannot parse (a quote never closed)"),
+    "shell-unread": ("warning", "a script nested too deeply to follow"),
     "variable-in-directive": ("error", "$VARIABLES in #SBATCH lines, which sbatch does not expand"),
-    "ignored-directive": ("warning", "a directive sbatch ignores: indented, lower case, '# SBATCH', after the first command"),
+    "ignored-directive": ("warning", "a directive sbatch ignores: indented, lower case, '# SBATCH', after the first "
+                          "command, inside a here-document"),
+    "slurm-directive": ("warning", "#SLURM lines, which sbatch applies as directives"),
     "pbs-directive": ("error", "#PBS / #BSUB lines, which sbatch also reads, without --ignore-pbs"),
     "hetjob": ("warning", "a heterogeneous job, whose components are checked as one"),
     "node-range": ("warning", "--nodes=MIN-MAX: the plan assumes MIN"),
-    "no-trainer-line": ("warning", "no trainer line (bench_ddp_transformer.py or bench_stage.py): the defaults are checked"),
-    "unchecked-argument": ("warning", "a trainer argument given as a shell variable"),
+    "unchecked-argument": ("warning", "a trainer argument given as a shell variable: it, and what depends on it, is "
+                           "not checked (a variable alone may hold any argument: then nothing that depends on them)"),
     # tasks and their placement
-    "trainer-without-srun": ("error", "a trainer line without srun in a job of several tasks or nodes (one process runs)"),
+    "trainer-without-srun": ("error", "a launch line without srun in a job of several nodes (or tasks, for the kit's "
+                             "trainer): it runs once, on the first node"),
     "nodes-missing": ("warning", "--ntasks without --nodes: Slurm picks the node count"),
     "ntasks-per-node-missing": ("error/warning", "--ntasks-per-node missing: an error when several nodes may pack unevenly"),
     "ntasks-mismatch": ("error", "--ntasks above nodes x --ntasks-per-node (refused), or below it and placed unevenly"),
@@ -1418,8 +1952,18 @@ CATCHES = {
     "srun-ntasks-per-node-ignored": ("warning", "srun --ntasks-per-node that srun ignores (it doesn't match -n)"),
     "srun-ntasks-per-node-conflict": ("error", "srun --ntasks-per-node above what the nodes hold (placed unevenly)"),
     "srun-gpu-option": ("warning", "srun --gres/--gpus* on the trainer's line, not modelled"),
+    "srun-cpus-per-task": ("warning", "srun without -c in a job with --cpus-per-task (22.05 and 23.02 give each task "
+                           "1 CPU)"),
+    "launcher-agents-per-node": ("error", "several torchrun/deepspeed/accelerate agents per node (srun's tasks): "
+                                 "they race for the rendezvous"),
+    "launcher-nodes-mismatch": ("error", "a launcher's node count (--nnodes, --num_machines, --num_nodes, "
+                                "--node_rank) that disagrees with the nodes that start it"),
+    "launcher-not-modelled": ("warning", "the kit's trainer under deepspeed or accelerate"),
+    "processes-exceed-gpus": ("error/warning", "more processes per node than GPUs (a launcher's workers; srun tasks of "
+                              "another program: a warning)"),
     # GPUs
-    "no-gpus": ("error", "no GPU requested"),
+    "no-gpus": ("error/warning", "no GPU requested for the kit's trainer (a warning on CPU nodes), or GPU nodes "
+                "asked for without a GPU"),
     "gpu-request-conflict": ("error", "--gres=gpu:N with a --gpus-per-node, --gpus or --gpus-per-task that disagrees"),
     "gpus-total-multinode": ("error", "--gpus=N (a total) over several nodes: no even split is promised"),
     "gpus-exceed-node": ("error", "more GPUs per node than the node type has"),
@@ -1433,6 +1977,7 @@ CATCHES = {
     "gpus-per-task-cgroup": ("warning", "--gpus-per-task: per-task GPU cgroups hide NVLink from NCCL"),
     "gpu-bind-mask": ("warning", "--gpu-bind=mask_gpu, not modelled"),
     "gpu-bind-closest": ("warning", "--gpu-bind=closest, which depends on the node"),
+    "distribution-not-modelled": ("warning", "--distribution=arbitrary: which task runs where is not modelled"),
     # cores, time, account, modules (Jean Zay)
     "cpus-per-task-missing": ("warning", "--cpus-per-task missing (Jean Zay grants memory per core)"),
     "cpus-per-task-small": ("warning", "--cpus-per-task below the node's cores per GPU x GPUs per task"),
@@ -1440,9 +1985,15 @@ CATCHES = {
     "hint-missing": ("warning", "--hint=nomultithread missing"),
     "time-missing": ("warning", "--time missing: 10 minutes on Jean Zay's GPU partitions"),
     "bad-time": ("error", "a --time Slurm does not read"),
-    "time-over-qos": ("error", "--time above the QoS limit (dev 2 h, t3 20 h, t4 100 h)"),
-    "account-mismatch": ("error", "an account suffix (@v100, @a100, @h100) that does not match the nodes asked for"),
-    "arch-h100-missing": ("error", "-C h100 without module load arch/h100 before pytorch-gpu"),
+    "time-over-qos": ("error", "--time above the QoS or partition limit (dev 2 h, t3 20 h, t4 100 h; A100 20 h; "
+                      "prepost 20 h)"),
+    "account-mismatch": ("error", "an account suffix (@v100, @a100, @h100, @cpu) that does not match the nodes asked "
+                         "for"),
+    "arch-module-missing": ("error/warning", "H100 nodes without module load arch/h100 first (an error); A100 80 GB "
+                            "nodes without module load cpuarch/amd (a warning)"),
+    "constraint-unavailable": ("error", "a -C feature no node of the partition has, or a retired partition"),
+    "qos-mismatch": ("error", "a --qos of another node type (qos_gpu-t4 on A100, which has none)"),
+    "qos-limit": ("error", "more GPUs (or cores) than the QoS allows a job"),
     "engine-unavailable": ("error", "--engine torch-pipe with a pytorch-gpu/py3/2.4+ module"),
     "torch-too-old": ("error", "bench_stage.py with a pytorch-gpu/py3 module older than 2.4"),
     # memory (the section *Will it fit?*)
@@ -1460,6 +2011,15 @@ CATCHES = {
     "bad-engine": ("error", "an --engine the trainer does not have"),
     "bad-layout": ("error", "an argument the trainer's script does not have: --layout, or the other layout's "
                    "(--pp on bench_ddp_transformer.py, --nb-part on bench_stage.py)"),
+    # the trainer's own refusals of its line (the one definition of its arguments, read by its own parser)
+    "unknown-argument": ("error", "an option the trainer does not have: an abbreviation (refused), '_' for '-', a "
+                         "typo, with the full option it may stand for"),
+    "bad-argument": ("error", "a trainer argument's value the trainer refuses: not a number, outside its range "
+                     "(every count is bounded), no value, or a model it cannot build (--d-model not a multiple of "
+                     "--n-head)"),
+    "torch-release": ("error", "what the installed torch lacks (the trainer and its --check-args; in a job script "
+                      "the module line gives engine-unavailable / torch-too-old)"),
+    "no-training": ("warning", "a trainer line with --help or --check-args, which exits without training"),
     "bad-schedule": ("error", "a --schedule the stage layout does not have"),
     "pp-too-small": ("error", "stage layout: --pp below 2"),
     "pp-not-dividing-world": ("error", "stage layout: --pp not dividing the tasks"),
@@ -1473,7 +2033,7 @@ CATCHES = {
 }
 
 
-# ---- II.2 Slurm 22.05: the request, the option tables, the placement of tasks and GPUs -------------------------------
+# ---- II.2 Slurm 22.05: the request, the option tables and values, the placement of tasks and GPUs --------------------
 
 @dataclass
 class Job:
@@ -1503,12 +2063,21 @@ class Job:
     modules: list[str] = field(default_factory=list)  # every `module load` argument, in order
     srun: bool | None = None  # the trainer's line starts with srun (None: no trainer line)
     launcher: str | None = None  # what comes before the trainer's script on its line
-    trainer: str = "bench_ddp_transformer.py"  # the script on it
+    trainer: str | None = "bench_ddp_transformer.py"  # the kit's script on it; None: the script runs no kit trainer
+    workers: int | None = None  # torchrun --nproc_per_node on the trainer's line: workers per srun task (agent)
     step_nodes: int | None = None  # srun's own -N / -n / --ntasks-per-node on the trainer's line
     step_ntasks: int | None = None
     step_ntasks_per_node: int | None = None
     step_cpus_per_task: int | None = None  # srun -c: 22.05's srun does not inherit the job's --cpus-per-task
     placement: str = "exact"  # "possible": Slurm decides by free cores; the plan shows one placement it may make
+    options: dict[str, str | None] = field(default_factory=dict)  # every option the directives give, last value
+    option_lines: dict[str, str] = field(default_factory=dict)  # where each was given (file:line)
+    trainer_line: "LaunchLine | None" = None  # the kit trainer's launch line, as bash runs it
+    srun_cpus: bool = False  # its srun gets -c (or SRUN_CPUS_PER_TASK)
+    launches: list = field(default_factory=list)  # the script's other launch lines (LaunchLine), their layout
+    sourced: list[str] = field(default_factory=list)  # files the script sources (not read)
+    torch_version: str | None = None  # inside an allocation: the torch installed there
+    unplanned: str | None = None  # why nothing is planned (a count no node has): the findings say it all
 
 # The option tables of Slurm 22.05 (Debian bookworm's slurm-wlm): every option `man sbatch` / `man srun` list, with
 # r = takes a value, o = an optional value (only as --name=value), n = a flag; plus the undocumented aliases the real
@@ -1635,6 +2204,25 @@ def parse_options(tokens: list[str], where: str, findings: Findings, prog: str =
     return out, []
 
 
+# What the checker plans at most, so that no request can make it loop or fill the login node's memory: more than
+# any Jean Zay partition (all of Jean Zay has fewer than 4096 nodes; its nodes have at most 8 GPUs and 96 cores, 192
+# hardware threads). A count above its bound is refused (the test cluster's slurmctld refused them all: 'Requested
+# node configuration is not available', 'Invalid Trackable RESource (TRES) specification').
+COUNT_LIMITS = {"nodes": 4096, "ntasks": 4096 * 8, "ntasks-per-node": 192, "cpus-per-task": 192,
+                "gpus-per-node": 16, "gpus-per-task": 16, "gpus": 4096 * 16, "gres": 16}
+
+
+def too_many_tasks(per_node: list[int], findings: Findings) -> bool:
+    """A placement with more tasks on a node, or in all, than COUNT_LIMITS allows: one error, nothing planned."""
+    busiest, total = max(per_node, default=0), sum(per_node)
+    if busiest <= COUNT_LIMITS["ntasks-per-node"] and total <= COUNT_LIMITS["ntasks"]:
+        return False
+    findings.error("count-too-large", f"{total} task(s), up to {busiest} on a node: more than any Jean Zay node "
+                   f"runs ({COUNT_LIMITS['ntasks-per-node']} hardware threads at most) or the checker plans "
+                   f"({COUNT_LIMITS['ntasks']} tasks); ask for --nodes and --ntasks-per-node the nodes hold")
+    return True
+
+
 def _int_option(name: str, value: str | None, where: str, findings: Findings, lo: int = 1) -> int | None:
     raw = (value or "").strip()
     if "$" in raw:
@@ -1648,7 +2236,20 @@ def _int_option(name: str, value: str | None, where: str, findings: Findings, lo
         hint = f" (write --{name}={raw[1:]}: a short option takes no '=')" if raw.startswith("=") else ""
         findings.error("bad-value", f"{where}: --{name}={raw!r} is not a count >= {lo}; sbatch refuses it{hint}")
         return None
-    return int(m.group(1))
+    return bounded(name, int(m.group(1)), where, findings)
+
+
+def bounded(name: str, count: int, where: str, findings: Findings) -> int | None:
+    """A count within COUNT_LIMITS, else one error (and None: nothing is planned from it)."""
+    limit = COUNT_LIMITS.get(name)
+    if limit is None or count <= limit:
+        return count
+    shown = str(count) if len(str(count)) <= 12 else f"{str(count)[:6]}...({len(str(count))} digits)"
+    shown = f"gpu:{shown}" if name == "gres" else shown
+    findings.error("count-too-large", f"{where}: --{name}={shown} is more than any Jean Zay node or partition has "
+                   f"(the checker plans up to {limit}); Slurm refuses it ('Requested node configuration is not "
+                   f"available'): ask for what the nodes have")
+    return None
 
 
 def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
@@ -1664,7 +2265,7 @@ def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
         if not count.isdigit() or int(count) < 1:
             findings.error("bad-value", f"{where}: --gres={value!r}: GPU count {count!r} is not a number >= 1")
             return None
-        return int(count)
+        return bounded("gres", int(count), where, findings)
     return None
 
 INT_FIELDS = {"nodes": "nodes", "ntasks": "ntasks", "ntasks-per-node": "ntasks_per_node",
@@ -1714,40 +2315,194 @@ def apply_srun_option(job: Job, name: str, value: str | None, where: str, findin
 
 
 def check_gpu_bind(value: str, where: str, findings: Findings) -> None:
+    """What the plan does not model of a --gpu-bind sbatch accepts (its refusals are option_value_problem's)."""
     v = re.sub(r"^verbose,", "", value.lower())
-    if v.startswith(("map_gpu:", "mask_gpu:", "per_task:", "single:")) or v in ("closest", "none"):
-        if v.startswith("mask_gpu:"):
-            findings.warn("gpu-bind-mask", f"{where}: --gpu-bind=mask_gpu is not modelled: the plan assumes each "
-                          "task sees all the node's GPUs")
-        if v == "closest":
-            findings.warn("gpu-bind-closest", f"{where}: --gpu-bind=closest shows each task the GPUs of its NUMA "
-                          "domain, which depends on the node; the plan assumes all GPUs are visible")
-        if v.startswith("per_task:") and not v.split(":", 1)[1].isdigit():
-            findings.error("bad-value", f"{where}: --gpu-bind={value!r}: per_task wants a count")
-        if v.startswith("map_gpu:") and not all(x.split("*")[0].isdigit()
-                                                 for x in v.split(":", 1)[1].split(",") if x):
-            findings.error("bad-value", f"{where}: --gpu-bind={value!r}: map_gpu wants GPU indices")
-        return
-    findings.error("bad-value", f"{where}: --gpu-bind={value!r} is not a GPU binding Slurm knows "
-                   "(closest, map_gpu:, mask_gpu:, per_task:, single:, none)")
+    if v.startswith("mask_gpu:"):
+        findings.warn("gpu-bind-mask", f"{where}: --gpu-bind=mask_gpu is not modelled: the plan assumes each "
+                      "task sees all the node's GPUs")
+    elif v.startswith("c"):
+        findings.warn("gpu-bind-closest", f"{where}: --gpu-bind=closest shows each task the GPUs of its NUMA "
+                      "domain, which depends on the node; the plan assumes all GPUs are visible")
+
+
+# -- the option values sbatch and srun 22.05 check themselves, before anything is submitted (each refusal below was
+# measured with sbatch --test-only on the test cluster: tests/test_sbatch_rules.py) --
+
+HINTS = ("compute_bound", "memory_bound", "multithread", "nomultithread", "help")
+CPU_BINDS = ("q", "quiet", "v", "verbose", "one_thread", "no", "none", "rank", "rank_ldom", "socket", "sockets",
+             "core", "cores", "thread", "threads", "ldom", "ldoms", "help")
+MAIL_TYPES = ("NONE", "ARRAY_TASKS", "BEGIN", "END", "FAIL", "INVALID_DEPEND", "REQUEUE", "ALL", "STAGE_OUT",
+              "TIME_LIMIT", "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50")
+SIGNALS = ("HUP", "INT", "QUIT", "ABRT", "KILL", "ALRM", "TERM", "USR1", "USR2", "URG", "CONT", "STOP", "TSTP",
+           "TTIN", "TTOU", "XCPU")
+
+
+def _tokens(value: str) -> list[str]:
+    """verify_hint's and slurm_verify_cpu_bind's split: a comma not followed by a digit separates tokens."""
+    return re.split(r",(?![0-9])", value)
+
+
+def _near(word: str, choices: Iterable[str]) -> str:
+    near = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean {near[0]}?" if near else f"; one of {', '.join(choices)}"
+
+
+def option_value_problem(name: str, value: str | None, prog: str = "sbatch") -> tuple[str | None, str | None]:
+    """(why sbatch or srun refuse this value, how they read it other than written); (None, None) when fine.
+    Each rule is 22.05's own parser, named beside it."""
+    v = value or ""
+    if name == "hint":  # proc_args.c verify_hint
+        bad = [t for t in _tokens(v) if t.lower() not in HINTS]
+        return (f"--hint={v}: unrecognized --hint argument \"{bad[0]}\"{_near(bad[0], HINTS)}", None) if bad else (None, None)
+    if name in ("mem", "mem-per-cpu", "mem-per-gpu"):  # proc_args.c str_to_mbytes
+        if not re.fullmatch(r"\d+([KMGTkmgt][Bb]?)?", v):
+            return f"--{name}={v} is not a size (a number of MB, or with K, M, G or T)", None
+        return None, None
+    if name == "gpu-bind":  # common/tres_bind.c _valid_gpu_bind: closest and none match on their first letter
+        b = v[8:] if v.lower().startswith("verbose,") else v
+        low = b.lower()
+        if low.startswith("map_gpu:") or low.startswith("mask_gpu:"):
+            digits = "[0-9a-fA-Fx*]" if low.startswith("mask") else "[0-9*]"
+            items = low.split(":", 1)[1].split(",")
+            if not all(re.fullmatch(digits + "+", x) for x in items):
+                return f"--gpu-bind={v}: {low.split(':')[0]} wants a comma-separated list of GPU numbers", None
+            return None, None
+        for word, prefix in (("closest", "c"), ("none", "n")):
+            if low.startswith(prefix):
+                return None, (None if low == word else f"{prog} reads --gpu-bind={v} as '{word}' (it compares the "
+                              f"first letter only); write {word}")
+        if low.startswith(("per_task:", "single:")):
+            n = low.split(":", 1)[1]
+            return None, (None if n.isdigit() else f"{prog} reads --gpu-bind={v} as {low.split(':')[0]}:0 (not a "
+                          "number); give a count")
+        return f"--gpu-bind={v} is not a GPU binding (closest, map_gpu:, mask_gpu:, none, per_task:, single:)", None
+    if name == "cpu-bind":  # common/slurm_resource_info.c slurm_verify_cpu_bind
+        for t in _tokens(v):
+            low = t.lower()
+            if re.match(r"(map_?cpu|mask_?cpu|map_?ldom|mask_?ldom)", low):
+                if not re.search(r"[:=].+", low):
+                    return f"--cpu-bind={v}: missing list for '{t}'", None
+            elif low not in CPU_BINDS:
+                return f"--cpu-bind={v}: unrecognized --cpu-bind argument \"{t}\"{_near(t, CPU_BINDS)}", None
+        return None, None
+    if name == "distribution":  # proc_args.c verify_dist_type
+        if re.fullmatch(r"(?i)plane=\d+", v) and int(v.split("=")[1]) > 0:
+            return None, None
+        base, _, flag = v.partition(",")
+        levels = base.split(":")
+        ok = (0 < len(levels) <= 3 and levels[0].lower() in ("*", "block", "cyclic", "arbitrary", "hostfile")
+              and all(x.lower() in ("*", "block", "cyclic", "fcyclic") for x in levels[1:])
+              and (not flag or flag.lower() in ("pack", "nopack")))
+        return (None, None) if ok else (f"--distribution={v} is not a distribution (block, cyclic, plane=N, "
+                                        "arbitrary, with :block|cyclic|fcyclic levels and ,pack|nopack)", None)
+    if name == "exclusive":  # slurm_opt.c arg_set_exclusive
+        ok = value is None or v.lower() in ("exclusive", "oversubscribe", "user", "mcs")
+        return (None, None) if ok else (f"--exclusive={v}: Invalid --exclusive specification (user, mcs, or no "
+                                        "value)", None)
+    if name == "signal":  # proc_args.c get_signal_opts: [R|B[R]:]SIGNAL[@SECONDS], SECONDS at most 65535
+        m = re.fullmatch(r"(?i)(?:R?B?R?:)?(?:SIG)?(\w+?)(?:@(\d+))?", v)
+        sig = m.group(1).upper() if m else ""
+        ok = m and ((sig.isdigit() and 0 < int(sig) <= 0xffff) or sig in SIGNALS) and int(m.group(2) or 0) <= 0xffff
+        return (None, None) if ok else (f"--signal={v}: Invalid --signal specification ([B:]SIGNAL[@seconds], "
+                                        "e.g. USR1@300; seconds at most 65535)", None)
+    if name == "mail-type":  # proc_args.c parse_mail_type: unknown words are dropped, all unknown is an error
+        words = [w for w in v.split(",") if w]
+        bad = [w for w in words if w.upper() not in MAIL_TYPES]
+        if len(bad) == len(words):
+            return f"--mail-type={v}: Invalid --mail-type specification{_near(bad[0] if bad else '', MAIL_TYPES)}", None
+        return None, (f"{prog} drops {', '.join(bad)} from --mail-type={v} (not a mail type)" if bad else None)
+    if name == "open-mode":  # slurm_opt.c arg_set_open_mode: the first letter decides
+        if v[:1].lower() not in ("a", "t"):
+            return f"--open-mode={v}: Invalid --open-mode specification (append or truncate)", None
+        word = "append" if v[:1].lower() == "a" else "truncate"
+        return None, (None if v.lower() == word else f"{prog} reads --open-mode={v} as {word}; write {word}")
+    if name == "gres-flags":  # slurm_opt.c arg_set_gres_flags
+        ok = v.lower() in ("disable-binding", "enforce-binding")
+        return (None, None) if ok else (f"--gres-flags={v}: Invalid --gres-flags specification (enforce-binding or "
+                                        "disable-binding)", None)
+    if name == "kill-on-invalid-dep":  # slurm_opt.c arg_set_kill_on_invalid_dep
+        ok = v.lower() in ("yes", "no")
+        return (None, None) if ok else (f"--kill-on-invalid-dep={v}: yes or no", None)
+    if name in ("time", "time-min") and v and time_minutes(v) is None:  # parse_time.c time_str2mins
+        return f"--{name}={v} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)", None
+    return None, None
+
+
+def check_option_values(job: Job, options: list[tuple[str, str | None]], where: str, findings: Findings,
+                        prog: str = "sbatch", record: bool = True) -> None:
+    """Each option's value as sbatch (or srun) checks it; `record`: keep them in job.options for the pairs."""
+    for name, value in options:
+        if record:
+            job.options[name] = value
+            job.option_lines[name] = where
+        if (value is not None and "$" in value) or name == "time":  # a variable: said once; bad-time: its own
+            continue
+        refused, misread = option_value_problem(name, value, prog)
+        if refused:
+            findings.error("bad-value", f"{where}: {refused}; {prog} refuses it")
+        elif misread:
+            findings.warn("value-misread", f"{where}: {misread}")
+
+
+def check_option_conflicts(job: Job, findings: Findings) -> None:
+    """The pairs sbatch 22.05 refuses, or resolves by dropping one (src/common/slurm_opt.c
+    validate_options_salloc_sbatch_srun, validate_hint_option; common/gres.c _job_state_validate)."""
+    given = job.options
+
+    def at(*names: str) -> str:  # the line of the last of them
+        lines = [job.option_lines[n] for n in names if n in job.option_lines]
+        return max(lines, key=lambda w: int(w.rpartition(":")[2]) if w.rpartition(":")[2].isdigit() else 0,
+                   default="the directives")
+
+    def shown(name: str) -> str:
+        return f"--{name}" + (f"={given[name]}" if given.get(name) is not None else "")
+    mem = [m for m in ("mem", "mem-per-cpu", "mem-per-gpu") if m in given]
+    if len(mem) > 1:
+        findings.error("option-conflict", f"{at(*mem)}: {' and '.join(map(shown, mem))}: sbatch refuses them "
+                       "together ('--mem, --mem-per-cpu, and --mem-per-gpu are mutually exclusive'); keep one")
+    if "cpus-per-gpu" in given and "cpus-per-task" in given:
+        findings.error("option-conflict", f"{at('cpus-per-gpu', 'cpus-per-task')}: {shown('cpus-per-gpu')} with "
+                       f"{shown('cpus-per-task')}: sbatch refuses the job ('--cpus-per-gpu is mutually exclusive "
+                       "with --cpus-per-task'); keep --cpus-per-task (Jean Zay's examples use it)")
+    if "ntasks-per-gpu" in given:
+        other = [o for o in ("ntasks-per-node", "gpus-per-task", "gpus-per-socket") if o in given]
+        if other:
+            findings.error("option-conflict", f"{at('ntasks-per-gpu', *other)}: {shown('ntasks-per-gpu')} with "
+                           f"{', '.join(map(shown, other))}: sbatch refuses it ('--{other[0]} is mutually exclusive "
+                           "with --ntasks-per-gpu'); keep one")
+    if "hint" in given:
+        other = [o for o in ("ntasks-per-core", "threads-per-core", "extra-node-info") if o in given]
+        if other:
+            findings.warn("hint-ignored", f"{at('hint', *other)}: {shown('hint')} with {', '.join(map(shown, other))}"
+                          ": Slurm drops the hint ('mutually exclusive with --hint ... Ignoring --hint'); keep --hint "
+                          f"and remove --{other[0]}")
+    if (given.get("distribution") or "").lower().startswith(("arbitrary", "hostfile")) and not (
+            "nodelist" in given or "nodefile" in given):
+        findings.error("bad-value", f"{at('distribution')}: {shown('distribution')} needs the nodes listed "
+                       "(-w/--nodelist or a hostfile): sbatch refuses it ('With Arbitrary distribution you need to "
+                       "specify a nodelist')")
 
 
 def time_minutes(value: str) -> float | None:
     """A Slurm time (man sbatch: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
     days-hours:minutes:seconds) in minutes; None when it is none of those."""
     v = value.strip()
-    if v.upper() in ("UNLIMITED", "INFINITE"):
+    if v.upper() in ("UNLIMITED", "INFINITE", "-1", "0"):  # time_str2mins: -1 and 0 mean no limit too
         return float("inf")
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", v)
     if not m:
         return None
     d, a, b, c = m.groups()
     if d is not None:
-        return int(d) * 1440 + int(a) * 60 + int(b or 0) + int(c or 0) / 60
-    if c is not None:
-        return int(a) * 60 + int(b) + int(c) / 60
-    return int(a) + int(b or 0) / 60
+        minutes = int(d) * 1440 + int(a) * 60 + int(b or 0) + int(c or 0) / 60
+    elif c is not None:
+        minutes = int(a) * 60 + int(b) + int(c) / 60
+    else:
+        minutes = int(a) + int(b or 0) / 60
+    return minutes or float("inf")  # arg_set_time_limit: a limit of 0 minutes is no limit
 
+
+# -- the placement: where Slurm puts the tasks and which GPUs each sees (measured on the test cluster) --
 
 def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
              findings: Findings) -> list[str]:
@@ -1755,11 +2510,11 @@ def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
     binding; its own share with --gpus-per-task; the mapped ones with --gpu-bind=map_gpu."""
     everything = [str(i) for i in range(gpus_on_node)]
     bind = re.sub(r"^verbose,", "", (job.gpu_bind or "").lower())
-    if bind.startswith("map_gpu:"):
+    if bind.startswith("map_gpu:") and re.fullmatch(r"[0-9*,]+", bind.split(":", 1)[1]):
         ids = [x for x in bind.split(":", 1)[1].split(",") if x]
         entry = ids[local_rank % len(ids)]
         return [entry.split("*")[0]]
-    if bind.startswith("per_task:"):
+    if bind.startswith("per_task:") and bind.split(":", 1)[1].isdigit() and int(bind.split(":", 1)[1]) > 0:
         n = int(bind.split(":", 1)[1])
         return everything[local_rank * n:(local_rank + 1) * n]
     if bind in ("", "none") and job.gpus_per_task and bind != "none":
@@ -1782,7 +2537,7 @@ def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, in
             nodes = -(-n // cap)
         else:
             nodes = 1
-        if n and not k:
+        if n and n > 1 and not k:
             findings.warn("nodes-missing", f"--nodes is not given: Slurm picks the node count for --ntasks={n}; "
                           f"assuming {nodes} node(s); add --nodes={nodes}")
         job.nodes = nodes
@@ -1814,12 +2569,22 @@ def allocation_tasks(job: Job, findings: Findings) -> tuple[list[int] | None, in
 
 def spread(ntasks: int, caps: list[int]) -> list[int]:
     """srun's default block distribution over the allocation: one task per node per round, a node taking no more
-    than it holds (srun -n 5 in 4(x3) gave 2,2,1; -n 4 in 2(x3) gave 2,1,1)."""
-    counts = [0] * len(caps)
-    while sum(counts) < min(ntasks, sum(caps)):
-        for i, c in enumerate(caps):
-            if counts[i] < c and sum(counts) < ntasks:
-                counts[i] += 1
+    than it holds (srun -n 5 in 4(x3) gave 2,2,1; -n 4 in 2(x3) gave 2,1,1). Computed by levels, not round by
+    round, so that thousands of nodes cost no more than a sort."""
+    n = min(ntasks, sum(caps))
+    level, placed = 0, 0  # the round every node with room still gets a task in
+    for cap in sorted(set(caps)):
+        full = sum(1 for c in caps if c > level)
+        if placed + full * (cap - level) > n:
+            break
+        placed += full * (cap - level)
+        level = cap
+    rounds, extra = divmod(n - placed, max(1, sum(1 for c in caps if c > level)))
+    counts = [min(c, level + rounds) for c in caps]
+    for i, c in enumerate(caps):
+        if extra and c > level + rounds:
+            counts[i] += 1
+            extra -= 1
     return counts
 
 
@@ -1834,23 +2599,30 @@ def packing(ntasks: int, nodes: int, cap: int | None) -> list[int]:
     return counts
 
 
-def job_tasks_per_node(job: Job, findings: Findings) -> list[int]:
-    """Tasks on each node of the trainer's step, as Slurm places them: the allocation's shape, then srun's
-    options on the trainer's line, which override it (and srun -n K alone inherits the job's nodes)."""
+def step_placement(job: Job, findings: Findings, kit: bool = True) -> list[int]:
+    """Tasks on each node of a launch line's step (the trainer's by default), as Slurm places them: the
+    allocation's shape, then srun's options on the line, which override it (srun -n K alone inherits the job's
+    nodes); one task on the first node for a line the batch shell runs itself."""
     if job.tasks_per_node:  # inside an allocation: Slurm already placed them
         return list(job.tasks_per_node)
     caps, ntasks = allocation_tasks(job, findings)
     nodes = len(caps) if caps else job.nodes
     if job.srun is False:  # the batch step runs the line once: SLURM_PROCID=0, no SLURM_STEP_ID (measured)
-        if ntasks > 1 or nodes > 1:
+        own = job.workers is not None or not kit  # torchrun, or a program that may start its own processes
+        if nodes > 1 or (ntasks > 1 and not own):
+            what = f"the trainer's line starts with '{job.launcher}'" if kit else (
+                f"{job.trainer} is started by '{job.launcher or job.trainer}'")
             findings.error("trainer-without-srun",
-                           f"the trainer's line starts with '{job.launcher}', not srun: in a job of {ntasks} task(s) "
-                           f"on {nodes} node(s) the batch script runs it once, as 1 process on the first node, not "
-                           f"{ntasks}; start it with: srun python {job.trainer} ...")
+                           f"{what}, not srun: in a job of {ntasks} task(s) on {nodes} node(s) the batch script runs "
+                           f"it once, on the first node"
+                           + (f", as 1 process, not {ntasks}" if not own else f"; the other {nodes - 1} node(s) "
+                              "idle") + "; start it with srun"
+                           + (f": srun python {job.trainer} ..." if kit and job.workers is None else
+                              " --ntasks-per-node=1 (one per node)"))
         return [1]
     placed = step_tasks_per_node(job, caps, ntasks, nodes, findings)
     if (job.step_ntasks is None and job.step_nodes is None) or job.placement == "possible":  # the job's shape
-        check_allocation_shape(job, caps, ntasks, findings)
+        check_allocation_shape(job, caps, ntasks, findings, kit)
     return placed
 
 
@@ -1884,7 +2656,11 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
     # the step fits its tasks in the allocation's cores; srun 22.05 does not read SLURM_CPUS_PER_TASK, so without
     # srun -c a task takes 1 core (measured: -N 1 -c 10, then srun -n 2 ran 2 tasks; -N 2 -n 6 -c 10 held 4,2
     # tasks and srun placed 3,3)
-    caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in caps[:m_step]]
+    held = caps[:m_step]
+    if job.ntasks_per_node and ntasks > 1:  # slurmctld then reserves k tasks' cores on every node, whatever -n
+        held = [max(c, job.ntasks_per_node) for c in held]  # (job_mgr.c: pn_min_cpus = cpus_per_task x k; measured:
+        # -N 2 -n 2 --ntasks-per-node 2 held 2 cores a node, and srun -N 1 ran both tasks on the first)
+    caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in held]
     if n_step > sum(caps):
         findings.error("step-too-many-tasks",
                        f"srun would start {n_step} task(s) on {m_step} node(s) whose allocation holds "
@@ -1902,8 +2678,11 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
     return [j_step] * m_step if j_step else spread(n_step, caps)
 
 
-def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings) -> None:
-    """The #SBATCH task counts: --ntasks-per-node missing, or a maximum because --ntasks asks fewer."""
+def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings,
+                           kit: bool = True) -> None:
+    """The #SBATCH task counts: --ntasks-per-node missing, or a maximum because --ntasks asks fewer. The warnings
+    about SLURM_NTASKS_PER_NODE are for the kit's trainer (the page's code reads it); the errors (tasks placed
+    unevenly) hold for any program."""
     n, k, nodes = job.ntasks, job.ntasks_per_node, job.nodes or 1
     if k and n is not None and n < nodes:
         findings.error("ntasks-below-nodes", f"--ntasks={n} is below --nodes={nodes}: srun runs on {n} node(s) "
@@ -1916,12 +2695,14 @@ def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findin
                            f"--ntasks={n} with --nodes={nodes} x --ntasks-per-node={k} = {nodes * k}: "
                            f"--ntasks-per-node is then a maximum and srun places {','.join(map(str, placed))} "
                            f"(measured); set --ntasks={nodes * k} or drop --ntasks")
-        else:
+        elif kit:
             findings.warn("ntasks-per-node-max",
                           f"--ntasks={n} on {nodes} node(s) runs {placed[0]} task(s) per node, below "
                           f"--ntasks-per-node={k} (a maximum when --ntasks is given): SLURM_NTASKS_PER_NODE={k} then "
                           f"misleads the page's code; set --ntasks-per-node={placed[0]}")
     if k:
+        return
+    if not kit and (n is None or n == nodes or nodes == 1 or caps):
         return
     if n is None or n == nodes:
         findings.warn("ntasks-per-node-missing",
@@ -1972,6 +2753,14 @@ def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) 
                        f"--gres=gpu/--gpus-per-node', measured for --gres=gpu:2 --gpus=3); drop --gpus")
     if per_node is None and gpt:
         per_node = gpt * busiest
+    ntype = node_type(job)
+    full = JEAN_ZAY[ntype].gpus if ntype else None
+    if per_node is None and total and nodes > 1 and full and total == full * nodes:
+        per_node = full  # every node must give all its GPUs: Slurm has no choice (-N 2 --gpus=8 gave 4 and 4)
+    elif per_node is None and total and nodes > 1 and total < nodes:
+        findings.error("gpu-request-conflict", f"--gpus={total} on {nodes} nodes: sbatch refuses it ('Failed to "
+                       f"validate job spec, --gpus < -N', measured); ask for --gpus-per-node=N")
+        per_node = 1
     if per_node is None and total:
         if nodes > 1:
             even = total // nodes if total % nodes == 0 else None
@@ -1986,63 +2775,109 @@ def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) 
     return per_node
 
 
-# ---- II.3 Jean Zay: node types, GPU memory, cores, time limits, accounts, modules ------------------------------------
+# ---- II.3 Jean Zay in one table: its node types, their partitions, constraints, GPUs, cores, hours, QoS, modules ---
 
-# Jean Zay's GPU nodes, by partition and by constraint (-C): GPUs and cores per node. Memory is granted per
-# reserved core there, so --cpus-per-task also sizes the task's host memory.
-NODE_TYPES = {
-    "v100-4": dict(gpus=4, cores=40, label="4-GPU V100 nodes (gpu_p13, 10 cores per GPU)"),
-    "v100-8": dict(gpus=8, cores=24, label="8-GPU V100 nodes (gpu_p2, 3 cores per GPU)"),
-    "a100": dict(gpus=8, cores=64, label="8-GPU A100 nodes (-C a100, 8 cores per GPU)"),
-    "h100": dict(gpus=4, cores=96, label="4-GPU H100 nodes (-C h100, 24 cores per GPU)"),
+@dataclass(frozen=True)
+class NodeType:
+    label: str
+    partitions: tuple[str, ...]  # the -p names that give these nodes; the first is the one to write
+    gpus: int  # per node (0: CPU nodes)
+    gpu_gib: float | None  # one GPU's memory as nvidia-smi shows it (the smaller where the nodes mix two boards)
+    cores: int | None  # physical cores per node (None: not confirmed, not checked)
+    accounts: tuple[str, ...]  # <project>@suffix that pays for them; () hours not deducted
+    qos: tuple[str, ...]  # the QoS families that run there (qos_gpu-t3 is family qos_gpu); () none
+    qos_hours: dict  # QoS -> its time limit in hours (the first is the default)
+    max_hours: float  # the partition's own limit
+    default_minutes: int  # --time when the script gives none
+    features: dict = field(default_factory=dict)  # -C feature -> GPU GiB of the nodes that carry it
+    arch: str | None = None  # the module that must come before the others on these nodes
+    arch_required: bool = False  # without it the modules for these nodes are not found (else: advised)
+    bf16: bool = True
+    qos_limit: dict = field(default_factory=dict)  # QoS -> most GPUs (GPU nodes) or cores (CPU nodes) per job
+
+
+V100_HOURS = {"t3": 20, "dev": 2, "t4": 100}
+# Sources, by fact (IDRIS's pages as stored for this work; users' job scripts where IDRIS's text was not reachable):
+# - partitions, constraints, boards, default time, limits: IDRIS "GPU Partitions" and "CPU Partitions"
+#   (idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu and _cpu): gpu_p13 the default, 4 V100 of 16 or 32 GB
+#   selected by -C v100-16g / -C v100-32g (the old gpu_p3 / gpu_p1), gpu_p2 (gpu_p2s 360 GB, gpu_p2l 720 GB of RAM)
+#   8 x V100 32 GB; 10 min by default, at most 100 h; cpu_p1 the CPU default, 10 min / 100 h; prepost 2 h / 20 h;
+#   visu 10 min / 4 h; archive and compil 2 h / 20 h, hours not deducted; compil_H100 for gpu_p6's software.
+# - the QoS names and limits per job (qos_gpu-t3 20 h 512 GPUs, -t4 100 h 16 GPUs, -dev 2 h 32 GPUs; qos_cpu-t3
+#   20 h 20480 cores, -t4 100 h 160 cores, -dev 2 h 5120 cores): IDRIS's QoS table as users' tools copy it; the
+#   A100 and H100 QoS (qos_gpu_a100-dev/-t3, no t4; qos_gpu_h100-dev/-t3/-t4) and the @cpu QoS: `sacctmgr show
+#   assoc` listings in users' notes. IDRIS's own QoS table was not reachable: per-job GPU limits of the A100 and
+#   H100 QoS are not checked.
+# - cores: 40 per V100 node and per cpu_p1 node (2 x Cascade Lake 6248), 24 on gpu_p2, 48 on gpu_p4, 64 on gpu_p5
+#   (2 x AMD Milan), 96 on gpu_p6 (2 x 48-core Sapphire Rapids, press release of the 2024 extension); prepost's
+#   not confirmed. Memory is granted per reserved core.
+# - modules: `module load cpuarch/amd` for gpu_p5 (IDRIS's job-script template, as users' scripts copy it: "if you
+#   are using the gpu_p5 partition"), `module load arch/h100` before the others on gpu_p6.
+# - gpu_p4: users' scripts pay its hours with @v100 or @a100 and run it under qos_gpu-*: both are accepted here.
+JEAN_ZAY = {
+    "v100-4": NodeType("4-GPU V100 nodes (gpu_p13)", ("gpu_p13",), 4, 16160 / 1024, 40, ("v100",), ("qos_gpu",),
+                       V100_HOURS, 100, 10, {"v100-16g": 16160 / 1024, "v100-32g": 32510 / 1024}, bf16=False,
+                       qos_limit={"dev": 32, "t3": 512, "t4": 16}),
+    "v100-8": NodeType("8-GPU V100 nodes (gpu_p2)", ("gpu_p2", "gpu_p2s", "gpu_p2l"), 8, 32510 / 1024, 24, ("v100",),
+                       ("qos_gpu",), V100_HOURS, 100, 10, bf16=False, qos_limit={"dev": 32, "t3": 512, "t4": 16}),
+    "a100-40": NodeType("8-GPU A100 40 GB nodes (gpu_p4)", ("gpu_p4",), 8, 40960 / 1024, 48, ("a100", "v100"),
+                        ("qos_gpu_a100", "qos_gpu"), {"t3": 20, "dev": 2, "t4": 100}, 100, 10),
+    "a100": NodeType("8-GPU A100 80 GB nodes (-C a100, gpu_p5)", ("gpu_p5",), 8, 81920 / 1024, 64, ("a100",),
+                     ("qos_gpu_a100",), {"t3": 20, "dev": 2}, 20, 10, {"a100": 81920 / 1024}, arch="cpuarch/amd"),
+    "h100": NodeType("4-GPU H100 nodes (-C h100, gpu_p6)", ("gpu_p6",), 4, 81559 / 1024, 96, ("h100",),
+                     ("qos_gpu_h100",), V100_HOURS, 100, 10, {"h100": 81559 / 1024}, arch="arch/h100",
+                     arch_required=True),
+    "cpu": NodeType("CPU nodes (cpu_p1)", ("cpu_p1",), 0, None, 40, ("cpu",), ("qos_cpu",), V100_HOURS, 100, 10,
+                    qos_limit={"dev": 5120, "t3": 20480, "t4": 160}),
+    "prepost": NodeType("pre/post-processing nodes (prepost)", ("prepost",), 0, None, None, (), (), {}, 20, 120),
+    "visu": NodeType("visualisation nodes (visu)", ("visu",), 0, None, None, (), (), {}, 4, 10),
+    "archive": NodeType("data-management nodes (archive)", ("archive",), 0, None, None, (), (), {}, 20, 120),
+    "compil": NodeType("compilation nodes (compil)", ("compil", "compil_h100"), 0, None, None, (), (), {}, 20, 120),
 }
+RETIRED_PARTITIONS = {"gpu_p1": "-C v100-32g", "gpu_p3": "-C v100-16g"}  # merged into gpu_p13 on 8/12/2020 (IDRIS)
+FEATURE_TYPES = {f: name for name, t in JEAN_ZAY.items() for f in t.features}
+PARTITION_TYPES = {p: name for name, t in JEAN_ZAY.items() for p in t.partitions}
 
-PARTITION_TYPES = {"gpu_p13": "v100-4", "gpu_p1": "v100-4", "gpu_p3": "v100-4", "gpu_p2": "v100-8",
-                   "gpu_p2s": "v100-8", "gpu_p2l": "v100-8", "gpu_p5": "a100", "gpu_p6": "h100"}
-CONSTRAINT_TYPES = {"a100": "a100", "h100": "h100"}
 
-# Memory of one GPU, GiB as nvidia-smi reports the boards' totals (V100-SXM2-16GB 16160 MiB, -32GB 32510 MiB,
-# A100-SXM4-40GB 40960 MiB, A100-SXM4-80GB 81920 MiB, H100 80GB HBM3 81559 MiB). Which board a request gets, from
-# IDRIS's "Jean Zay: GPU Slurm partitions" page (idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
-# -C v100-16g (ex gpu_p3) and -C v100-32g (ex gpu_p1) on gpu_p13's 4-GPU nodes, which mix both (so gpu_p13
-# without -C may get 16 GB: assume the smaller); gpu_p2 8 x V100 32 GB. The A100s, from the directive block of
-# IDRIS's job-script template as users' Jean Zay scripts copy it ("--partition=gpu_p4 ... (40GB A100 GPU)",
-# "-C a100 ... gpu_p5 partition (80GB A100 GPU)"): -C a100 means 80 GB, the 40 GB ones are -p gpu_p4.
-# -C h100 is gpu_p6's 4 x H100 80 GB (DESIGN.md's Jean Zay facts).
-GPU_MEMORY_GIB = {"v100-16g": 16160 / 1024, "v100-32g": 32510 / 1024, "gpu_p2": 32510 / 1024,
-                  "gpu_p4": 40960 / 1024, "a100": 81920 / 1024, "h100": 81559 / 1024}
+def constraint_features(constraint: str | None) -> list[list[str]]:
+    """-C's alternatives ('|'), each the features it needs ('&', ','), lower case."""
+    return [[f.strip().lower() for f in re.split(r"[&,\[\]*()]", alt) if f.strip()]
+            for alt in (constraint or "").split("|") if alt.strip()]
 
-V100_PARTITIONS = ("gpu_p13", "gpu_p1", "gpu_p3", "gpu_p2", "gpu_p2s", "gpu_p2l")
-PARTITION_MEMORY = {"gpu_p13": "v100-16g", "gpu_p3": "v100-16g", "gpu_p1": "v100-32g", "gpu_p2": "gpu_p2",
-                    "gpu_p2s": "gpu_p2", "gpu_p2l": "gpu_p2", "gpu_p4": "gpu_p4", "gpu_p5": "a100", "gpu_p6": "h100"}
 
-# Jean Zay's time limits. IDRIS, "GPU Partitions" (http://www.idris.fr/en/docs/jean-zay/slurm/slurm_partitions_gpu):
-# "By default, the execution time is 10 minutes and cannot exceed 100 hours (... see the QoS)". The QoS hours
-# (qos_gpu-dev 2 h, qos_gpu-t3 20 h and the default, qos_gpu-t4 100 h; A100 without t4) are from the same page's
-# QoS table as DESIGN.md records it; the QoS table itself was not reachable from this session.
-DEFAULT_TIME_MINUTES = 10
+def looks_like_jean_zay(job: Job) -> bool:
+    """An account <project>@v100/@a100/@h100/@cpu or a qos_gpu*/qos_cpu* QoS: then no -p means Jean Zay's default."""
+    suffix = (job.account or "").rpartition("@")[2].lower() if "@" in (job.account or "") else ""
+    return suffix in ("v100", "a100", "h100", "cpu") or (job.qos or "").lower().startswith(("qos_gpu", "qos_cpu"))
 
-QOS_HOURS = {"dev": 2, "t3": 20, "t4": 100}
-QOS_WITHOUT_T4 = {"a100"}
-ACCOUNT_ARCH = {"v100-4": "v100", "v100-8": "v100", "a100": "a100", "h100": "h100"}
-ARCH_REQUEST = {"v100": "-C v100-32g (or no -C: gpu_p13)", "a100": "-C a100", "h100": "-C h100"}
+
+def asks_gpus(job: Job) -> bool:
+    return any((job.gres_gpus, job.gpus_per_node, job.gpus_total, job.gpus_per_task))
 
 
 def node_type(job: Job) -> str | None:
-    for c in re.split(r"[&|,\[\]*]", job.constraint or ""):
-        if c.strip().lower() in CONSTRAINT_TYPES:
-            return CONSTRAINT_TYPES[c.strip().lower()]
+    """The JEAN_ZAY row the job runs on: its -p, else its -C's feature (-C a100 sends a job to gpu_p5), else the
+    default partition when the job is Jean Zay's (gpu_p13 for GPUs, cpu_p1 otherwise); None: nodes not known."""
     if job.partition in PARTITION_TYPES:
         return PARTITION_TYPES[job.partition]
-    if job.partition is None and (job.constraint or "").lower().startswith("v100"):
-        return "v100-4"  # -C v100-16g / v100-32g select the default partition's 4-GPU nodes
-    return None  # unknown nodes: their sizes are not checked
+    if job.partition in RETIRED_PARTITIONS:
+        return "v100-4"
+    if job.partition:
+        return None  # another cluster's partition: its sizes are not checked
+    for alternative in constraint_features(job.constraint):
+        for f in alternative:
+            if f in FEATURE_TYPES:
+                return FEATURE_TYPES[f]
+    if looks_like_jean_zay(job):
+        return "v100-4" if asks_gpus(job) else "cpu"
+    return None
 
 
 def node_cap(job: Job) -> int | None:
     """Tasks of --cpus-per-task cores that fit on one node, when the node type is known."""
     ntype = node_type(job)
-    return NODE_TYPES[ntype]["cores"] // (job.cpus_per_task or 1) if ntype else None
+    cores = JEAN_ZAY[ntype].cores if ntype else None
+    return cores // (job.cpus_per_task or 1) if cores else None
 
 
 def gpu_memory(job: "Job") -> tuple[float | None, str]:
@@ -2052,139 +2887,243 @@ def gpu_memory(job: "Job") -> tuple[float | None, str]:
         return job.gpu_mem, f"--gpu-mem {job.gpu_mem:g}"
     if job.gpu_mem_seen is not None:
         return job.gpu_mem_seen, "the allocation's GPUs (nvidia-smi)"
-    for c in re.split(r"[&|,\[\]*]", (job.constraint or "").lower()):
-        if c.strip() in GPU_MEMORY_GIB:
-            return GPU_MEMORY_GIB[c.strip()], f"-C {c.strip()}"
-    kind = PARTITION_MEMORY.get(job.partition or "")
-    if kind:
-        return GPU_MEMORY_GIB[kind], f"partition {job.partition}" + (
-            ", which mixes 16 and 32 GB V100s: assuming 16 GB" if job.partition == "gpu_p13" else "")
+    ntype = node_type(job)
+    for alternative in constraint_features(job.constraint):
+        for f in alternative:
+            if f in FEATURE_TYPES and (ntype is None or FEATURE_TYPES[f] == ntype):
+                return JEAN_ZAY[FEATURE_TYPES[f]].features[f], f"-C {f}"
+    if ntype and JEAN_ZAY[ntype].gpu_gib and (job.partition or looks_like_jean_zay(job)):
+        name = job.partition or JEAN_ZAY[ntype].partitions[0]
+        mixed = ", which mixes 16 and 32 GB V100s: assuming 16 GB" if ntype == "v100-4" else ""
+        return JEAN_ZAY[ntype].gpu_gib, f"partition {name}{mixed}"
     return None, "unknown"
 
 
 def is_v100(job: "Job") -> bool:
-    return "v100" in (job.constraint or "").lower() or job.partition in V100_PARTITIONS
-
-
-def check_cpus(job: Job, nb_part: int, tasks_per_node: list[int], findings: Findings) -> None:
     ntype = node_type(job)
-    per_gpu = NODE_TYPES[ntype]["cores"] // NODE_TYPES[ntype]["gpus"] if ntype else None
-    want = per_gpu * nb_part if per_gpu else None
+    return (not JEAN_ZAY[ntype].bf16 and JEAN_ZAY[ntype].gpus > 0) if ntype else "v100" in (job.constraint or "").lower()
+
+
+def check_nodes(job: Job, findings: Findings) -> None:
+    """The partition and the constraint against the table: a retired partition, a feature no node of the partition
+    has (Slurm: 'Requested node configuration is not available', measured with -p gpu_p2 -C v100-16g)."""
+    if job.partition in RETIRED_PARTITIONS:
+        findings.error("constraint-unavailable", f"--partition={job.partition} no longer exists on Jean Zay (merged "
+                       f"into gpu_p13 on 8 December 2020, IDRIS): use {RETIRED_PARTITIONS[job.partition]} instead")
+        return
+    ntype = node_type(job)
+    alternatives = constraint_features(job.constraint)
+
+    def elsewhere(feature: str) -> bool:  # a feature the table puts on other nodes (unknown features: not judged)
+        return feature in FEATURE_TYPES and FEATURE_TYPES[feature] != ntype
+    if ntype and alternatives and all(any(elsewhere(f) for f in a) for a in alternatives):
+        feature = next(f for a in alternatives for f in a if elsewhere(f))
+        other = JEAN_ZAY[FEATURE_TYPES[feature]]
+        findings.error("constraint-unavailable", f"-C {job.constraint} asks for {other.label.split(' (')[0]}, but "
+                       f"no node of {JEAN_ZAY[ntype].label} has '{feature}': Slurm refuses the job ('Requested node "
+                       f"configuration is not available'); drop -C, or use -p {other.partitions[0]} (or -C {feature} "
+                       "alone)")
+
+
+def check_cpus(job: Job, gpus_per_task: int, tasks_per_node: list[int], findings: Findings) -> None:
+    """Cores per task against the node's cores per GPU (Jean Zay grants memory per reserved core), and tasks x
+    --cpus-per-task against the node's cores. `gpus_per_task` is what each task holds (GPUs per node / tasks)."""
+    ntype = node_type(job)
+    t = JEAN_ZAY[ntype] if ntype else None
+    per_gpu = t.cores // t.gpus if t and t.cores and t.gpus else None
+    want = per_gpu * gpus_per_task if per_gpu and gpus_per_task else None
     if job.cpus_per_task is None:
-        findings.warn("cpus-per-task-missing",
-                      "--cpus-per-task is not given: each task gets 1 core for itself and its DataLoader workers "
-                      "(and on Jean Zay only 1 core's share of memory); "
-                      + (f"add --cpus-per-task={want} ({per_gpu} per GPU x {nb_part} GPUs)" if want
-                         else "add --cpus-per-task=<cores per GPU x GPUs per task>"))
+        if gpus_per_task or (t and t.gpus):
+            findings.warn("cpus-per-task-missing",
+                          "--cpus-per-task is not given: each task gets 1 core for itself and its DataLoader workers "
+                          "(and on Jean Zay only 1 core's share of memory); "
+                          + (f"add --cpus-per-task={want} ({per_gpu} per GPU x {gpus_per_task} GPUs)" if want
+                             else "add --cpus-per-task=<cores per GPU x GPUs per task>"))
     elif want and job.cpus_per_task < want:
         findings.warn("cpus-per-task-small",
-                      f"--cpus-per-task={job.cpus_per_task} is below the {want} cores that go with {nb_part} GPU(s) "
-                      f"on {NODE_TYPES[ntype]['label']}; memory is granted per reserved core there: "
-                      f"use --cpus-per-task={want}")
-    elif job.cpus_per_task < 2:
+                      f"--cpus-per-task={job.cpus_per_task} is below the {want} cores that go with {gpus_per_task} "
+                      f"GPU(s) on {t.label}; memory is granted per reserved core there: use --cpus-per-task={want}")
+    elif gpus_per_task and job.cpus_per_task < 2:
         findings.warn("cpus-per-task-small", f"--cpus-per-task={job.cpus_per_task} leaves no core for DataLoader "
                       "workers; use at least 2")
-    if ntype and job.cpus_per_task:
-        cores = NODE_TYPES[ntype]["cores"]
+    if t and t.cores and job.cpus_per_task and tasks_per_node:
         busiest = max(tasks_per_node)
-        if job.cpus_per_task * busiest > cores:
-            fit = max(1, cores // busiest)
+        if job.cpus_per_task * busiest > t.cores:
             findings.error("cpus-exceed-node",
                            f"{busiest} task(s) x --cpus-per-task={job.cpus_per_task} = "
-                           f"{busiest * job.cpus_per_task} cores, but {NODE_TYPES[ntype]['label']} have {cores}; "
-                           f"use --cpus-per-task <= {fit}")
-    if (job.hint or "").lower() != "nomultithread":
+                           f"{busiest * job.cpus_per_task} cores, but {t.label} have {t.cores}; "
+                           f"use --cpus-per-task <= {max(1, t.cores // busiest)}")
+    hints = [h.lower() for h in _tokens(job.hint or "")]
+    if "nomultithread" not in hints and all(h in HINTS for h in hints if h):  # a hint sbatch refuses: bad-value
         findings.warn("hint-missing", "--hint=nomultithread is not set: tasks get hyperthreads instead of "
-                      "physical cores (Jean Zay's advice for GPU jobs is --hint=nomultithread)")
+                      "physical cores (Jean Zay's advice for its jobs is --hint=nomultithread)")
+
+
+def qos_of(job: Job) -> tuple[str | None, str | None]:
+    """(family, level) of --qos: qos_gpu_h100-t4 -> (qos_gpu_h100, t4); (None, None) without --qos."""
+    m = re.fullmatch(r"(qos_\w+?)-(dev|t3|t4)", (job.qos or "").lower())
+    return (m.group(1), m.group(2)) if m else ((job.qos.lower(), None) if job.qos else (None, None))
 
 
 def check_time(job: Job, findings: Findings) -> None:
+    """--time against the QoS's limit and the partition's, on Jean Zay."""
     if job.time == "allocated":  # inside the allocation the limit is already granted
         return
+    ntype = node_type(job)
+    t = JEAN_ZAY[ntype] if ntype else None
     if job.time is None:
-        findings.warn("time-missing", f"--time is not given: the partition's default applies, {DEFAULT_TIME_MINUTES} "
-                      "minutes on Jean Zay's GPU partitions; add --time=HH:MM:SS, e.g. --time=02:00:00")
+        default = t.default_minutes if t else DEFAULT_TIME_MINUTES
+        findings.warn("time-missing", f"--time is not given: the partition's default applies, {default} minutes"
+                      + (f" on {t.label}" if t else " on Jean Zay's GPU partitions") + "; add --time=HH:MM:SS, e.g. "
+                      "--time=02:00:00")
         return
     minutes = time_minutes(job.time)
     if minutes is None:
         findings.error("bad-time", f"--time={job.time!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
         return
-    m = re.search(r"(dev|t3|t4)$", (job.qos or "t3").lower())
-    if not m or node_type(job) is None and job.partition is not None:
-        return  # a QoS or partition that isn't Jean Zay's
-    qos, arch = m.group(1), ACCOUNT_ARCH.get(node_type(job) or "v100-4")
-    limit = QOS_HOURS[qos]
+    if t is None:
+        return  # a partition that isn't Jean Zay's
+    family, level = qos_of(job)
+    shown = "unlimited" if minutes == float("inf") else f"{minutes / 60:.1f} h"
+    if t.qos and level in t.qos_hours and family in t.qos:
+        limit, name = t.qos_hours[level], job.qos
+    elif t.qos and not job.qos:
+        level = next(iter(t.qos_hours))
+        limit, name = t.qos_hours[level], f"the default QoS ({t.qos[0]}-{level})"
+    elif not t.qos:
+        limit, name = t.max_hours, f"{t.label.split(' (')[0]} ({t.partitions[0]})"
+    else:  # a QoS of other nodes (check_qos says so): the longest these nodes have
+        limit, name = max(t.qos_hours.values()), f"the longest QoS of {t.label}"
     if minutes > limit * 60:
-        longer = [q for q, h in QOS_HOURS.items() if h * 60 >= minutes and not (q == "t4" and arch in QOS_WITHOUT_T4)]
-        name = job.qos or "the default QoS (t3)"
+        longer = [q for q, h in t.qos_hours.items() if h * 60 >= minutes]
         findings.error("time-over-qos",
-                       f"--time={job.time} ({minutes / 60:.1f} h) is over the {limit} h of {name}: Slurm won't run "
-                       f"the job; " + (f"add --qos=qos_gpu{'' if arch == 'v100' else '_' + arch}-{longer[0]}"
-                                       f" (up to {QOS_HOURS[longer[0]]} h)" if longer else
-                                       f"use --time <= {max(h for q, h in QOS_HOURS.items() if not (q == 't4' and arch in QOS_WITHOUT_T4))}:00:00"
-                                       " and resume from a checkpoint"))
+                       f"--time={job.time} ({shown}) is over the {limit:g} h of {name}: Slurm won't run the job; "
+                       + (f"add --qos={t.qos[0]}-{longer[0]} (up to {t.qos_hours[longer[0]]} h)" if longer else
+                          f"use --time <= {max(list(t.qos_hours.values()) or [t.max_hours]):g}:00:00 and resume from "
+                          "a checkpoint"))
 
 
-def check_jean_zay(job: Job, findings: Findings) -> None:
-    """The account's hours and the H100 modules. IDRIS, "GPU Partitions": a project spends V100, A100 or H100
-    hours through <project>@v100, @a100 or @h100; the H100 nodes' software stack is loaded with
-    `module load arch/h100` before the other modules (IDRIS's H100 examples and users' Jean Zay scripts)."""
-    arch = ACCOUNT_ARCH.get(node_type(job) or "v100-4")
+def check_jean_zay(job: Job, findings: Findings, gpus_asked: int | None = None,
+                   cores_asked: int | None = None) -> None:
+    """The account's hours, the QoS's family and size, the modules the nodes need (IDRIS: a project spends V100,
+    A100, H100 or CPU hours through <project>@v100, @a100, @h100 or @cpu; sources at JEAN_ZAY)."""
+    ntype = node_type(job)
+    if ntype is None:
+        return
+    t = JEAN_ZAY[ntype]
     suffix = (job.account or "").rpartition("@")[2].lower() if "@" in (job.account or "") else None
-    if suffix in ARCH_REQUEST and arch and suffix != arch:
+    if suffix and suffix in ("v100", "a100", "h100", "cpu") and t.accounts and suffix not in t.accounts:
+        where = ("-C " + job.constraint if job.constraint else "-p " + job.partition if job.partition
+                 else "no -p: the default " + t.partitions[0])
+        owner = next((n for n, r in JEAN_ZAY.items() if suffix in r.accounts), "v100-4")
         findings.error("account-mismatch",
-                       f"--account={job.account} spends {suffix.upper()} hours but the job asks for {arch.upper()} "
-                       f"nodes ({'-C ' + job.constraint if job.constraint else '-p ' + job.partition if job.partition else 'no -C: the default gpu_p13'}); "
-                       f"use --account=<project>@{arch}, or {ARCH_REQUEST[suffix]} for the nodes of that account")
-    if node_type(job) == "h100" and job.torch_module:
-        mods = job.modules
-        before = mods[:mods.index(job.torch_module)] if job.torch_module in mods else mods
-        if not any(m.startswith("arch/h100") for m in before):
-            findings.error("arch-h100-missing",
-                           f"-C h100 with 'module load {job.torch_module}' but no 'module load arch/h100' before it: "
-                           "on Jean Zay the H100 nodes need the modules built for them; add 'module load arch/h100' "
-                           "before the pytorch-gpu line")
+                       f"--account={job.account} spends {suffix.upper()} hours but the job asks for {t.label} "
+                       f"({where}); use --account=<project>@{t.accounts[0]}, or "
+                       f"{'-p ' + JEAN_ZAY[owner].partitions[0] if suffix != 'v100' else '-p gpu_p13'} for the nodes "
+                       "of that account")
+    if job.time != "allocated":  # a running job already has its account and QoS
+        check_qos(job, t, gpus_asked, cores_asked, findings)
+    mods = job.modules
+    if not t.arch or not mods:
+        return
+    at = next((i for i, m in enumerate(mods) if m.startswith(t.arch)), None)
+    late = [m for m in mods[:at] if not m.startswith(("arch/", "cpuarch/"))] if at is not None else []
+    if at is None or any(m.startswith("pytorch") for m in late):
+        first = job.torch_module or next((m for m in mods if not m.startswith(("arch/", "cpuarch/"))), mods[0])
+        msg = (f"{t.label} with 'module load {first}' but no 'module load {t.arch}' before it: the modules built "
+               f"for these nodes are found only after it; add 'module load {t.arch}' first")
+        if t.arch_required:  # IDRIS: the H100 stack is loaded with arch/h100 before the other modules
+            findings.error("arch-module-missing", msg)
+        else:  # IDRIS's template: cpuarch/amd gives gpu_p5 the modules built for its AMD CPUs
+            findings.warn("arch-module-missing", msg)
+
+
+def check_qos(job: Job, t: NodeType, gpus_asked: int | None, cores_asked: int | None, findings: Findings) -> None:
+    family, level = qos_of(job)
+    if not job.qos or not t.qos:
+        return
+    if family not in t.qos or level not in t.qos_hours:
+        valid = ", ".join(f"{t.qos[0]}-{q}" for q in t.qos_hours)
+        findings.error("qos-mismatch", f"--qos={job.qos} is not a QoS of {t.label}: Slurm refuses the job ('Invalid "
+                       f"qos specification'); use one of {valid}")
+        return
+    limit = t.qos_limit.get(level)
+    count, unit = (gpus_asked, "GPUs") if t.gpus else (cores_asked, "cores")
+    if limit and count and count > limit:
+        findings.error("qos-limit", f"--qos={job.qos} allows at most {limit} {unit} per job and this job asks for "
+                       f"{count}: it would wait forever (or be refused); use fewer {unit}"
+                       + (" or --qos=" + t.qos[0] + "-t3 (20 h)" if level == "t4" else ""))
+
+DEFAULT_TIME_MINUTES = 10  # Jean Zay's GPU partitions, when the node type isn't known
 
 
 def check_engine(job: Job, t: Training, findings: Findings) -> None:
-    """The script's `module load pytorch-gpu/py3/X` against what its trainer line asks for (TORCH_FEATURES)."""
-    version = torch_version_of(job.torch_module)
+    """The script's `module load pytorch-gpu/py3/X` (inside an allocation: the torch installed there) against what
+    its trainer line asks for (TORCH_FEATURES)."""
+    version = version_tuple(job.torch_version) if job.torch_version else torch_version_of(job.torch_module)
     if not version:
         return
+    source = f"torch {job.torch_version} is installed here" if job.torch_version else f"the script loads {job.torch_module}"
     for line in torch_refusals(f"{version[0]}.{version[1]}", t):
-        line = line.replace(f"this is torch {version[0]}.{version[1]}", f"the script loads {job.torch_module}")
+        line = line.replace(f"this is torch {version[0]}.{version[1]}", source)
         if t.layout == "replica":
             findings.error("engine-unavailable", line)
         else:
             findings.error("torch-too-old", line)
 
 
-# ---- II.4 Reading a job script as sbatch and srun do -----------------------------------------------------------------
+# ---- II.4 Reading a job script: the file, sbatch's directives, bash's commands, the launch lines ---------------------
 
-def logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, line) with backslash continuations of command lines joined."""
-    logical: list[tuple[int, str]] = []
-    pending, start = "", 0
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if pending or (not line.lstrip().startswith("#") and line.rstrip().endswith("\\")):
-            if not pending:
-                start = lineno
-            pending += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
-            if not line.rstrip().endswith("\\"):
-                logical.append((start, pending))
-                pending = ""
-            continue
-        logical.append((lineno, line))
-    if pending:
-        logical.append((start, pending))
-    return logical
+# slurmctld refuses a batch script longer than max_script_size, 4 MiB unless SchedulerParameters says otherwise
+# (22.05 src/slurmctld/job_mgr.c, _test_job_desc_fields); the checker reads no more than that.
+MAX_SCRIPT_BYTES = 4 * 2 ** 20
 
 
-def read_directive(line: str, where: str, job: Job, findings: Findings) -> None:
-    """One '#SBATCH' line: sbatch 22.05 reads what follows the 7 letters, with or without a space
+def read_script_text(path: str | os.PathLike) -> tuple[str, bool]:
+    """The script's text and whether it is longer than slurmctld accepts. Only a regular file or a pipe is read,
+    at most MAX_SCRIPT_BYTES + 1 bytes of it: a device (/dev/zero) never ends, and a FIFO nobody writes to never
+    opens for a plain open()."""
+    import select
+    import stat
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    kind = next((name for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                                         (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+                 if test(mode)), None)
+    if kind:
+        raise UsageError(f"cannot read {path}: it is {kind}, not a job script; give the script's file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    chunks, size, deadline = [], 0, time.monotonic() + 2.0  # a pipe's writer gets 2 s to say everything
+    try:
+        while size <= MAX_SCRIPT_BYTES:
+            try:
+                chunk = os.read(fd, min(1 << 16, MAX_SCRIPT_BYTES + 1 - size))
+            except BlockingIOError:
+                if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    raise UsageError(f"cannot read {path}: nothing more came through the pipe within 2 s; save the "
+                                     "script to a file and check that") from None
+                continue
+            except OSError as exc:
+                raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)[:MAX_SCRIPT_BYTES].decode("utf-8", errors="replace"), size > MAX_SCRIPT_BYTES
+
+
+def read_directive(line: str, magic: str, where: str, job: Job, findings: Findings) -> None:
+    """One '#SBATCH' (or '#SLURM') line: sbatch 22.05 reads what follows the magic word, with or without a space
     ('#SBATCH-N 2' and '#SBATCH<tab>-N 2' both gave 2 nodes on the test cluster), up to a '#' comment."""
     try:
-        tokens = shlex.split(line[len("#SBATCH"):], comments=True)
+        tokens = shlex.split(line[len(magic):], comments=True)
     except ValueError as exc:
         findings.error("bad-directive", f"{where}: cannot parse '{line.strip()}' ({exc})")
         return
@@ -2195,105 +3134,1161 @@ def read_directive(line: str, where: str, job: Job, findings: Findings) -> None:
     options, _ = parse_options(tokens, where, findings)
     for name, value in options:
         apply_option(job, name, value, where, findings)
+    check_option_values(job, options, where, findings)
+
+
+def read_directives(text: str, name: str, job: Job, findings: Findings) -> int:
+    """The header as sbatch 22.05 reads it (src/sbatch/opt.c, _opt_batch_script): every line up to the first one that
+    is neither blank nor a comment; in it, lines starting with '#SBATCH', or '#SLURM' (applied too, with sbatch's
+    'Change from #SLURM to #SBATCH'), in column 0, case sensitive, are directives; '#PBS' and '#BSUB' lines are
+    translated unless --ignore-pbs. Returns the line number of the first command (0: none)."""
+    foreign, slurm_lines = [], []
+    for lineno, line in enumerate(text.split("\n"), 1):
+        where = f"{name}:{lineno}"
+        magic = next((m for m in ("#SBATCH", "#SLURM") if line.startswith(m)), None)
+        if magic:
+            read_directive(line, magic, where, job, findings)
+            slurm_lines += [where] if magic == "#SLURM" else []
+        elif line.startswith(("#PBS", "#BSUB")):
+            foreign.append((where, line.strip()))
+        elif line.strip() and not line.lstrip().startswith("#"):
+            break
+    else:
+        lineno = 0
+    if slurm_lines:
+        findings.warn("slurm-directive", f"{slurm_lines[0]}: sbatch 22.05 applies '#SLURM' lines as directives "
+                      f"({len(slurm_lines)} line(s); it prints 'Change from #SLURM to #SBATCH in your script', "
+                      "measured); write them as '#SBATCH'")
+    if foreign and not job.ignore_pbs:
+        where, line = foreign[0]
+        findings.error("pbs-directive", f"{where}: sbatch also reads '{line}' ({len(foreign)} #PBS/#BSUB line(s); "
+                       "measured: '#PBS -l nodes=2' gave a 2-node job), which this plan does not model; write it as "
+                       "#SBATCH, or add '#SBATCH --ignore-pbs'")
+    return lineno
+
+
+def stray_directives(text: str, name: str, first_command: int, heredocs: list["HereDoc"],
+                     findings: Findings) -> None:
+    """Directives sbatch does not read: after the first command, inside a here-document (text the script writes
+    for another program: a generated job script), indented, lower case, '# SBATCH'."""
+    inside = {n: h for h in heredocs for n in range(h.first, h.last + 1)}
+    said: set[int] = set()
+    for lineno, line in enumerate(text.split("\n"), 1):
+        stripped = line.strip()
+        where = f"{name}:{lineno}"
+        if lineno in inside:
+            h = inside[lineno]
+            if re.match(r"#\s*(SBATCH|SLURM)", stripped, re.I) and id(h) not in said:
+                said.add(id(h))
+                findings.warn("ignored-directive", f"{where}: '{stripped}' is inside a here-document (lines "
+                              f"{h.first}-{h.last}, up to '{h.delimiter}'): text this script writes, not a directive "
+                              "of this job; check the script it generates on its own")
+            continue
+        if line.startswith(("#SBATCH", "#SLURM")):
+            if first_command and lineno > first_command:
+                findings.warn("ignored-directive", f"{where}: '{stripped}' comes after the first command (line "
+                              f"{first_command}); sbatch ignores it: move it above the first command")
+        elif re.match(r"#\s*SBATCH\s*-", stripped, re.I):  # a directive gone wrong, not a comment that says sbatch
+            findings.warn("ignored-directive", f"{where}: '{stripped}' is not read by sbatch (a directive is "
+                          "'#SBATCH', in capitals, from column 0): write it as '#SBATCH ...' at the start of the line")
+
+
+# -- bash's words: quotes, expansions, operators and here-documents, as bash reads them --
+
+@dataclass
+class Word:
+    """One shell word as pieces (kind, text): 'lit' unquoted text, 'sq' single-quoted, 'dq' double-quoted text, 'var'
+    an unquoted $expansion (bash splits its value into fields), 'qvar' one inside double quotes, 'array' the inside of
+    NAME=( ... )."""
+    parts: list[tuple[str, str]]
+    line: int
+
+    @property
+    def text(self) -> str:
+        return "".join(t for _, t in self.parts)
+
+    @property
+    def plain(self) -> bool:
+        return all(k == "lit" for k, _ in self.parts)
+
+
+@dataclass
+class HereDoc:
+    first: int  # the lines of its body
+    last: int
+    delimiter: str
+
+
+OPERATORS = ("&&", "||", ";;&", ";;", ";&", "|&", ";", "|", "&", "(", ")")
+REDIRECTIONS = ("<<<", "<<-", "<<", "&>>", "&>", ">>", ">&", "<&", "<>", ">|", "<", ">")
+BREAK = set(" \t\r\n;&|()<>")
+
+
+class ShellLexer:
+    """bash's tokens: Word, or (operator, line) for control operators and newlines. Redirections and their targets
+    are dropped (they are not arguments); here-document bodies are set aside in `heredocs`, never read as commands."""
+
+    def __init__(self, text: str) -> None:
+        self.s, self.i, self.line = text, 0, 1
+        self.tokens: list = []
+        self.heredocs: list[HereDoc] = []
+        self.pending: list[tuple[str, bool]] = []
+        self.unclosed: tuple[int, str] | None = None  # where a quote opens that never closes
+
+    def run(self) -> "ShellLexer":
+        s = self.s
+        while self.i < len(s):
+            c = s[self.i]
+            if c in " \t\r":
+                self.i += 1
+            elif s.startswith("\\\n", self.i):
+                self.i, self.line = self.i + 2, self.line + 1
+            elif c == "\n":
+                self.tokens.append(("\n", self.line))
+                self.i, self.line = self.i + 1, self.line + 1
+                self.bodies()
+            elif c == "#":
+                end = s.find("\n", self.i)
+                self.i = len(s) if end < 0 else end
+            elif s.startswith("((", self.i):  # (( arithmetic )): a command that is no launch
+                end = self.balanced(self.i, "(", ")")
+                self.tokens.append(Word([("var", "$" + s[self.i:end])], self.line))
+                self.line += s.count("\n", self.i, end)
+                self.i = end
+            elif self.redirection():
+                continue
+            elif c in ";&|()" or (c in "<>" and not s.startswith("(", self.i + 1)):
+                op = next((o for o in OPERATORS if s.startswith(o, self.i)), c)
+                self.tokens.append((op, self.line))
+                self.i += len(op)
+            else:
+                self.word()
+        return self
+
+    def redirection(self) -> bool:
+        s, j = self.s, self.i
+        while j < len(s) and s[j].isdigit():
+            j += 1
+        op = next((r for r in REDIRECTIONS if s.startswith(r, j)), None)
+        if op is None or (j > self.i and op.startswith("&")) or s.startswith("(", j + len(op)):
+            return False
+        self.i = j + len(op)
+        while self.i < len(s) and s[self.i] in " \t":
+            self.i += 1
+        target = self.word(emit=False)
+        if op in ("<<", "<<-") and target is not None:
+            self.pending.append((target.text, op == "<<-"))
+        return True
+
+    def bodies(self) -> None:
+        """The bodies of the here-documents announced on the line that just ended, each up to its delimiter."""
+        for delimiter, strip in self.pending:
+            first = self.line
+            while self.i < len(self.s):
+                end = self.s.find("\n", self.i)
+                end = len(self.s) if end < 0 else end
+                raw = self.s[self.i:end]
+                self.i, self.line = end + 1, self.line + 1
+                if (raw.lstrip("\t") if strip else raw) == delimiter:
+                    break
+            self.heredocs.append(HereDoc(first, self.line - 1, delimiter))
+        self.pending = []
+
+    def word(self, emit: bool = True) -> Word | None:
+        s, parts, lit, line = self.s, [], [], self.line
+
+        def flush() -> None:
+            if lit:
+                parts.append(("lit", "".join(lit)))
+                lit.clear()
+        while self.i < len(s):
+            c = s[self.i]
+            if c == "(" and not parts and re.fullmatch(r"[A-Za-z_]\w*\+?=", "".join(lit)):  # NAME=( array )
+                flush()
+                end = self.balanced(self.i, "(", ")")
+                parts.append(("array", s[self.i + 1:end - 1]))
+                self.line += s.count("\n", self.i, end)
+                self.i = end
+            elif c in BREAK and not (c in "<>" and s.startswith("(", self.i + 1)):
+                break
+            elif c == "\\":
+                if s.startswith("\\\n", self.i):
+                    self.line += 1
+                else:
+                    lit.append(s[self.i + 1:self.i + 2])
+                self.i += 2
+            elif c == "'":
+                end = s.find("'", self.i + 1)
+                if end < 0:
+                    self.unclosed = self.unclosed or (self.line, "'")
+                    end = len(s)
+                flush()
+                parts.append(("sq", s[self.i + 1:end]))
+                self.line += s.count("\n", self.i, end)
+                self.i = end + 1
+            elif s.startswith("$'", self.i):
+                end = self.i + 2
+                while end < len(s) and s[end] != "'":
+                    end += 2 if s[end] == "\\" else 1
+                flush()
+                parts.append(("sq", s[self.i + 2:end].replace("\\n", "\n").replace("\\t", "\t")))
+                self.i = end + 1
+            elif c == '"':
+                flush()
+                self.double_quoted(parts)
+            elif c in "$`<>":
+                flush()
+                parts.append(("var", self.expansion()))
+            else:
+                lit.append(c)
+                self.i += 1
+        flush()
+        if not parts:
+            return None
+        w = Word(parts, line)
+        if emit:
+            self.tokens.append(w)
+        return w
+
+    def double_quoted(self, parts: list) -> None:
+        s, text = self.s, []
+        self.i += 1
+        while self.i < len(s) and s[self.i] != '"':
+            c = s[self.i]
+            if c == "\\" and s[self.i + 1:self.i + 2] in ('$', '`', '"', '\\', '\n'):
+                text.append(s[self.i + 1] if s[self.i + 1] != "\n" else "")
+                self.line += s[self.i + 1] == "\n"
+                self.i += 2
+            elif c == "`" or (c == "$" and re.match(r"[{(\w@*#?$!-]", s[self.i + 1:self.i + 2] or " ")):
+                if text:
+                    parts.append(("dq", "".join(text)))
+                    text = []
+                parts.append(("qvar", self.expansion()))
+            else:
+                self.line += c == "\n"
+                text.append(c)
+                self.i += 1
+        if self.i >= len(s):
+            self.unclosed = self.unclosed or (self.line, '"')
+        if text or not parts or parts[-1][0] != "qvar":
+            parts.append(("dq", "".join(text)))
+        self.i += 1
+
+    def expansion(self) -> str:
+        """$name, ${...}, $(...), $((...)), `...`, <(...) as written, balanced, quotes respected."""
+        s, start = self.s, self.i
+        if s[self.i] == "`":
+            end = self.i + 1
+            while end < len(s) and s[end] != "`":
+                end += 2 if s[end] == "\\" else 1
+            self.i = end + 1
+        elif s[self.i] in "<>":
+            self.i = self.balanced(self.i + 1, "(", ")")
+        elif s.startswith("${", self.i):
+            self.i = self.balanced(self.i + 1, "{", "}")
+        elif s.startswith("$(", self.i):
+            self.i = self.balanced(self.i + 1, "(", ")")
+        else:
+            self.i = re.compile(r"\$(?:[A-Za-z_]\w*|[0-9@*#?$!-])?").match(s, self.i).end()
+        self.line += s.count("\n", start, self.i)
+        return s[start:self.i]
+
+    def balanced(self, at: int, open_: str, close: str) -> int:
+        """The index after the bracket that closes the one at `at` (quoted text skipped)."""
+        s, depth, j = self.s, 0, at
+        while j < len(s):
+            c = s[j]
+            if c == "\\":
+                j += 2
+                continue
+            if c in "'\"" and open_ == "(":
+                j = s.find(c, j + 1)
+                j = len(s) if j < 0 else j + 1
+                continue
+            depth += (c == open_) - (c == close)
+            j += 1
+            if depth == 0:
+                return j
+        return len(s)
+
+
+# -- bash's grammar, far enough to know which commands run, in which order, under which conditions --
+
+@dataclass
+class Node:
+    kind: str  # simple, seq, andor, pipe, if, loop, case, group, subshell, func
+    line: int = 0
+    words: list = field(default_factory=list)  # simple: its words; loop: the words after 'in'; case: the word
+    children: list = field(default_factory=list)
+    name: str = ""  # the loop's variable, the function's name
+
+
+class ShellParser:
+    def __init__(self, tokens: list) -> None:
+        self.t, self.i = tokens, 0
+
+    def peek(self, ahead: int = 0):
+        return self.t[self.i + ahead] if self.i + ahead < len(self.t) else None
+
+    def op(self, *names: str, ahead: int = 0) -> bool:
+        tok = self.peek(ahead)
+        return isinstance(tok, tuple) and tok[0] in names
+
+    def keyword(self, *names: str) -> bool:
+        tok = self.peek()
+        return isinstance(tok, Word) and tok.plain and tok.text in names
+
+    def skip(self, *ops: str) -> None:
+        while self.op("\n", *ops):
+            self.i += 1
+
+    def expect(self, name: str) -> None:
+        self.skip(";")
+        if self.keyword(name):
+            self.i += 1
+
+    def parse_list(self, stop: tuple[str, ...] = ()) -> Node:
+        seq = Node("seq")
+        while True:
+            self.skip(";", "&")
+            if self.peek() is None or self.keyword(*stop) or self.op(")", ";;", ";&", ";;&"):
+                return seq
+            start = self.i
+            seq.children.append(self.parse_andor())
+            if self.i == start:  # a token no rule takes: skip it rather than loop
+                self.i += 1
+
+    def parse_andor(self) -> Node:
+        node = Node("andor", children=[self.parse_pipeline()])
+        while self.op("&&", "||"):
+            self.i += 1
+            self.skip()
+            node.children.append(self.parse_pipeline())
+        return node if len(node.children) > 1 else node.children[0]
+
+    def parse_pipeline(self) -> Node:
+        while self.keyword("!"):
+            self.i += 1
+        node = Node("pipe", children=[self.parse_command()])
+        while self.op("|", "|&"):
+            self.i += 1
+            self.skip()
+            node.children.append(self.parse_command())
+        return node if len(node.children) > 1 else node.children[0]
+
+    def parse_command(self) -> Node:
+        tok = self.peek()
+        line = tok.line if isinstance(tok, Word) else (tok[1] if tok else 0)
+        if self.op("("):
+            self.i += 1
+            body = self.parse_list()
+            self.i += self.op(")")
+            return Node("subshell", line, children=[body])
+        if isinstance(tok, Word) and tok.plain and tok.text in ("if", "for", "select", "while", "until", "case",
+                                                                 "{", "[[", "function"):
+            return getattr(self, "parse_" + {"{": "group", "[[": "test", "select": "for"}.get(tok.text, tok.text))(line)
+        words = []
+        while isinstance(self.peek(), Word):
+            words.append(self.peek())
+            self.i += 1
+        if len(words) == 1 and self.op("(") and self.op(")", ahead=1):  # name() { ...; }
+            self.i += 2
+            return self.parse_function_body(words[0].text, line)
+        return Node("simple", line, words=words)
+
+    def parse_if(self, line: int) -> Node:
+        self.i += 1
+        node = Node("if", line)
+        while True:
+            node.children.append(self.parse_list(("then",)))
+            self.expect("then")
+            node.children.append(self.parse_list(("elif", "else", "fi")))
+            if not self.keyword("elif"):
+                break
+            self.i += 1
+        if self.keyword("else"):
+            self.i += 1
+            node.children += [Node("seq"), self.parse_list(("fi",))]
+            node.name = "else"
+        self.expect("fi")
+        return node
+
+    def parse_for(self, line: int) -> Node:
+        self.i += 1
+        node = Node("loop", line)
+        if isinstance(self.peek(), Word):
+            node.name = self.peek().text if self.peek().plain and self.peek().text.isidentifier() else ""
+            self.i += 1
+        self.skip(";")
+        if self.keyword("in"):
+            self.i += 1
+            while isinstance(self.peek(), Word):
+                node.words.append(self.peek())
+                self.i += 1
+        self.expect("do")
+        node.children = [self.parse_list(("done",))]
+        self.expect("done")
+        return node
+
+    def parse_while(self, line: int) -> Node:
+        self.i += 1
+        node = Node("loop", line, children=[self.parse_list(("do",))])
+        self.expect("do")
+        node.children.append(self.parse_list(("done",)))
+        self.expect("done")
+        return node
+
+    parse_until = parse_while
+
+    def parse_case(self, line: int) -> Node:
+        self.i += 1
+        node = Node("case", line)
+        if isinstance(self.peek(), Word):
+            node.words.append(self.peek())
+            self.i += 1
+        self.expect("in")
+        while True:
+            self.skip(";;", ";&", ";;&")
+            if self.peek() is None or self.keyword("esac"):
+                self.i += self.peek() is not None
+                return node
+            patterns = []
+            while self.peek() is not None and not self.op(")"):
+                if isinstance(self.peek(), Word):
+                    patterns.append(self.peek().text)
+                self.i += 1
+            self.i += 1
+            arm = self.parse_list(("esac",))
+            arm.name = "|".join(patterns)
+            node.children.append(arm)
+
+    def parse_group(self, line: int) -> Node:
+        self.i += 1
+        body = self.parse_list(("}",))
+        self.expect("}")
+        return Node("group", line, children=[body])
+
+    def parse_test(self, line: int) -> Node:
+        while self.peek() is not None and not (isinstance(self.peek(), Word) and self.peek().text == "]]"):
+            self.i += 1
+        self.i += 1
+        return Node("simple", line, words=[Word([("lit", "[[")], line)])
+
+    def parse_function(self, line: int) -> Node:
+        self.i += 1
+        name = self.peek().text if isinstance(self.peek(), Word) else ""
+        self.i += 1
+        if self.op("(") and self.op(")", ahead=1):
+            self.i += 2
+        return self.parse_function_body(name, line)
+
+    def parse_function_body(self, name: str, line: int) -> Node:
+        self.skip()
+        return Node("func", line, children=[self.parse_command()], name=name)
+
+
+# -- what each variable holds at each command: bash run in the mind --
+
+class Arr(list):
+    """An array variable: a list of values."""
+
+
+UNKNOWN = None  # a value this reading cannot know: set by the environment, a command, a loop, a branch not taken
+PER_TASK = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASK_PID", "SLURM_STEP_ID", "SLURM_STEPID",
+            "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE",
+            "SLURMD_NODENAME", "SLURM_GTIDS")
+
+
+@dataclass
+class Ran:
+    """A simple command as bash runs it: its fields after expansion (an expansion this reading cannot know stays as
+    written, e.g. '$ARGS' or '${CHUNKS[$SLURM_ARRAY_TASK_ID]}', so it contains '$'), its NAME=value prefixes, and
+    the SRUN_/SLURM_ variables exported at that point (srun reads them)."""
+    fields: list[str]
+    env: dict[str, str | None]
+    line: int
+    conditional: bool
+    exported: dict[str, str | None]
+
+
+class StopScript(Exception):
+    """An `exit` that always runs: nothing after it does."""
+
+
+class ShellRun:
+    """Walks the parsed script keeping what each variable holds; `sink` gets every simple command that runs. A value
+    is a list of (text, known) pieces, so '--chunks $CH' keeps '$CH' whole when CH is unknown."""
+
+    MAX_CALLS = 8
+
+    def __init__(self, variables: dict, sink, exported: set[str] | None = None) -> None:
+        self.vars: dict = dict(variables)
+        self.exported = set(variables) if exported is None else set(exported)
+        self.functions: dict[str, Node] = {}
+        self.positional: list | None = None  # the script's own $1 ... are unknown (sbatch job.slurm ARGS)
+        self.sink, self.conditional, self.calls = sink, 0, 0
+        self.sourced: list[str] = []
+
+    @staticmethod
+    def known(text: str) -> list:
+        return [(text, True)]
+
+    @staticmethod
+    def joined(value) -> list:
+        """An array's elements joined by spaces, as "${a[*]}" gives them; a scalar as it is."""
+        if isinstance(value, Arr):
+            out = []
+            for n, item in enumerate(value):
+                out += ([(" ", True)] if n else []) + item
+            return out
+        return value
+
+    def text_of(self, value) -> str | None:
+        if value is UNKNOWN:
+            return None
+        pieces = self.joined(value)
+        return "".join(t for t, _ in pieces) if all(k for _, k in pieces) else None
+
+    # ---- expansions ----
+    def lookup(self, name: str, index: str | None = None):
+        if name.isdigit() or name in ("@", "*", "#"):
+            if self.positional is None:
+                return UNKNOWN
+            if name in ("@", "*"):
+                return Arr(list(p) for p in self.positional)
+            if name == "#":
+                return self.known(str(len(self.positional)))
+            k = int(name)
+            return list(self.positional[k - 1]) if 0 < k <= len(self.positional) else []
+        value = self.vars.get(name, UNKNOWN)
+        if value is UNKNOWN or index is None:
+            return value[0] if isinstance(value, Arr) and value else ([] if isinstance(value, Arr) else value)
+        if index in ("@", "*"):
+            return value if isinstance(value, Arr) else Arr([value])
+        n = self.arith(index)
+        items = value if isinstance(value, Arr) else Arr([value])
+        return UNKNOWN if n is None else (items[n] if 0 <= n < len(items) else [])
+
+    def arith(self, expr: str) -> int | None:
+        """bash's integer $(( )) with the variables this reading knows; None when it cannot tell."""
+        import ast
+
+        def value(m: re.Match) -> str:
+            text = self.text_of(self.lookup(m.group(1) or m.group(2)))
+            if text is None or not re.fullmatch(r"\s*-?\d*\s*", text):
+                raise ValueError(m.group(0))
+            return f"({text.strip() or '0'})"
+        try:
+            src = re.sub(r"\$\{?([A-Za-z_]\w*)\}?|\b([A-Za-z_]\w*)\b", value, expr)
+            tree = ast.parse(src.replace("/", "//").strip() or "0", mode="eval")
+        except (ValueError, SyntaxError):
+            return None
+        allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv,
+                   ast.Mod, ast.USub, ast.UAdd)
+        if not all(isinstance(n, allowed) and not (isinstance(n, ast.Constant) and type(n.value) is not int)
+                   for n in ast.walk(tree)):
+            return None
+        try:  # only integer literals and + - * // % are left: nothing here can run code or grow without bound
+            result = eval(compile(tree, "<arithmetic>", "eval"), {"__builtins__": {}})
+        except ArithmeticError:
+            return None
+        return result if abs(result) < 2 ** 63 else None
+
+    def expansion(self, raw: str):
+        """The value of one expansion as written ($X, ${X:-d}, ${A[1]}, $((1+2)), ...), or UNKNOWN."""
+        if raw.startswith("$((") and raw.endswith("))"):
+            n = self.arith(raw[3:-2])
+            return UNKNOWN if n is None else self.known(str(n))
+        m = re.fullmatch(r"\$(?:([A-Za-z_]\w*|[0-9@*#])|\{(#?)([A-Za-z_]\w*|[0-9]+|[@*#])(?:\[([^\]]*)\])?"
+                         r"(?:(:?[-=+?])(.*))?\})", raw, re.S)
+        if raw == "$":
+            return self.known("$")
+        sliced = re.fullmatch(r"\$\{([@*])(?::(\d+))(?::(\d+))?\}", raw)  # ${@:2}, ${@:2:3}: positional slices
+        if sliced:
+            args = self.lookup(sliced.group(1))
+            if args is UNKNOWN:
+                return UNKNOWN
+            start = int(sliced.group(2)) - 1 if int(sliced.group(2)) else 0
+            end = start + int(sliced.group(3)) if sliced.group(3) else None
+            return Arr(args[max(0, start):end])
+        if not m:
+            return UNKNOWN  # $(command), `command`, <(...), ${X%pattern} ...
+        if m.group(1):
+            return self.lookup(m.group(1))
+        length, name, index, op, alt = m.groups()[1:]
+        value = self.lookup(name, index)
+        if length:
+            text = self.text_of(value)
+            if isinstance(value, Arr):
+                return self.known(str(len(value)))
+            return UNKNOWN if text is None else self.known(str(len(text)))
+        # a variable the script never sets is taken as unset (its default applies: the idiom's intent); one the
+        # script sets to something this reading can't know leaves the branch unknown
+        unset = name not in self.vars and not (name.isdigit() and self.positional is not None)
+        if not op or (value is UNKNOWN and not unset):
+            return value
+        empty = unset or self.text_of(value) == ""
+        if (op in (":-", ":=") and empty) or (op in ("-", "=") and unset):
+            word = self.expand_text(alt)
+            if op.endswith("=") and word is not UNKNOWN:
+                self.vars[name] = word
+            return word
+        if op in (":+", "+"):
+            return [] if (empty if op == ":+" else unset) else self.expand_text(alt)
+        return value
+
+    def expand_text(self, text: str):
+        """Text expanded as inside double quotes (a default value)."""
+        word = ShellLexer('"' + text.replace('"', '\\"') + '"').word(emit=False)
+        return self.scalar(word) if word else []
+
+    def scalar(self, word: Word) -> list:
+        """The value of a word where bash does not split it (an assignment): pieces, unknown ones kept as written."""
+        out = []
+        for kind, text in word.parts:
+            if kind in ("lit", "sq", "dq"):
+                out.append((text, True))
+            elif kind == "array":
+                out.append(("(" + text + ")", True))
+            else:
+                value = self.expansion(text)
+                out += [(self.written(text), False)] if value is UNKNOWN else self.joined(value)
+        return out
+
+    @staticmethod
+    def written(raw: str) -> str:
+        """An unknown expansion as it stays in a field: always with a '$' (backquotes and <(...) rewritten)."""
+        if raw.startswith("`"):
+            return "$(" + raw.strip("`") + ")"
+        return raw if raw.startswith("$") else "$" + raw[1:]
+
+    def fields(self, word: Word) -> list[str]:
+        """bash's expansion of a word into fields: known values split where unquoted, unknown ones kept whole."""
+        fields: list[list] = [[]]  # each: the field's text pieces; a field with None first exists even if empty
+        for kind, text in word.parts:
+            if kind in ("lit", "sq", "dq", "array"):
+                fields[-1].append(text if kind != "array" else "(" + text + ")")
+                if kind in ("sq", "dq"):
+                    fields[-1].insert(0, None)
+                continue
+            value = self.expansion(text)
+            if value is UNKNOWN:
+                fields[-1].append(self.written(text))
+                continue
+            quoted = kind == "qvar"
+            if isinstance(value, Arr) and not (quoted and ("[*]" in text or text in ("$*", "${*}"))):
+                items = value
+            else:
+                items = [self.joined(value)]
+            for n, item in enumerate(items):
+                if n:
+                    fields.append([None] if quoted else [])
+                if quoted:
+                    fields[-1][:0] = [None]
+                    fields[-1] += [t for t, _ in item]
+                    continue
+                for piece, known in item:
+                    if not known:
+                        fields[-1].append(piece)
+                        continue
+                    parts = re.split(r"[ \t\n]+", piece)
+                    fields[-1].append(parts[0])
+                    for p in parts[1:]:
+                        fields.append([p])
+        return ["".join(p for p in f if p is not None) for f in fields
+                if None in f or "".join(p for p in f if p is not None)]
+
+    # ---- running ----
+    def branch(self, *bodies: Node, taken_for_sure: bool = False) -> None:
+        """Run each body from the same state (an if's branches, a case's arms, a loop's body that may not run);
+        afterwards a variable keeps a value only if every way through agrees on it."""
+        before, outcomes = dict(self.vars), [] if taken_for_sure else [dict(self.vars)]
+        self.conditional += 1
+        try:
+            for body in bodies:
+                self.vars = dict(before)
+                try:
+                    self.run(body)
+                except StopScript:
+                    pass
+                outcomes.append(self.vars)
+        finally:
+            self.conditional -= 1
+        self.vars = {k: v for k, v in outcomes[0].items() if all(o.get(k, UNKNOWN) == v for o in outcomes[1:])}
+        for o in outcomes:
+            for k in o:
+                self.vars.setdefault(k, UNKNOWN)
+
+    def run(self, node: Node) -> None:
+        kind = node.kind
+        if kind in ("seq", "group"):
+            for child in (node.children if kind == "seq" else node.children[0].children):
+                self.run(child)
+        elif kind == "andor":
+            self.run(node.children[0])
+            self.branch(Node("seq", children=node.children[1:]))
+        elif kind in ("pipe", "subshell"):  # each part of a pipeline runs in a subshell: its variables stay there
+            saved = dict(self.vars)
+            for child in node.children:
+                try:
+                    self.run(child)
+                except StopScript:
+                    pass
+                self.vars = dict(saved)
+        elif kind == "if":
+            pairs = [Node("seq", children=[c, b]) for c, b in zip(node.children[::2], node.children[1::2])]
+            self.branch(*pairs, taken_for_sure=node.name == "else")
+        elif kind == "loop":
+            if node.name:
+                self.vars[node.name] = UNKNOWN  # one of its words, or what the loop reads
+            self.branch(Node("seq", children=node.children))
+        elif kind == "case":
+            self.branch(*node.children, taken_for_sure=any(c.name.strip() in ("*", "(*") for c in node.children))
+        elif kind == "func":
+            self.functions[node.name] = node.children[0]
+        elif kind == "simple":
+            self.simple(node)
+
+    ASSIGNMENT = re.compile(r"([A-Za-z_]\w*)(\[[^\]]*\])?(\+?)=")
+
+    def split_assignment(self, word: Word) -> tuple[str, str, Word] | None:
+        kind, text = word.parts[0]
+        m = self.ASSIGNMENT.match(text) if kind == "lit" else None
+        if not m:
+            return None
+        rest = [("lit", text[m.end():])] if text[m.end():] else []
+        return m.group(1), m.group(3), Word(rest + word.parts[1:], word.line)
+
+    def assign(self, name: str, append: str, value_word: Word) -> None:
+        if value_word.parts and value_word.parts[0][0] == "array":
+            inner = ShellLexer(value_word.parts[0][1]).run().tokens
+            value = Arr(self.known(f) if "$" not in f else [(f, False)]
+                        for w in inner if isinstance(w, Word) for f in self.fields(w))
+        else:
+            value = self.scalar(value_word)
+        old = self.vars.get(name, UNKNOWN)
+        if append and old is not UNKNOWN:
+            value = Arr(old + value) if isinstance(old, Arr) or isinstance(value, Arr) else old + value
+        elif append:
+            value = UNKNOWN
+        self.vars[name] = value
+
+    def simple(self, node: Node) -> None:
+        words, prefix = list(node.words), []
+        while words and (a := self.split_assignment(words[0])):
+            prefix.append(a)
+            words.pop(0)
+        if not words:
+            for name, append, value in prefix:
+                self.assign(name, append, value)
+            return
+        fields = [f for w in words for f in self.fields(w)]
+        if not fields:
+            return
+        cmd, args = fields[0], fields[1:]
+        if cmd in ("export", "declare", "typeset", "local", "readonly"):
+            for w in words[1:]:
+                a = self.split_assignment(w)
+                if a:
+                    self.assign(*a)
+                if cmd == "export" or (cmd != "local" and "-x" in args):
+                    self.exported.add(a[0] if a else w.text)
+            return
+        if cmd == "unset":
+            for name in args:
+                self.vars[name] = []
+            return
+        if cmd in ("source", ".") and args:
+            self.sourced.append(args[0])
+            return
+        if cmd == "read":
+            for name in args:
+                if name.isidentifier():
+                    self.vars[name] = UNKNOWN
+            return
+        if cmd == "set" and args[:1] == ["--"]:
+            self.positional = [[(a, "$" not in a)] for a in args[1:]]
+            return
+        if cmd == "shift" and self.positional:
+            self.positional = self.positional[int(args[0]) if args and args[0].isdigit() else 1:]
+            return
+        if cmd == "exit":
+            if not self.conditional:
+                raise StopScript
+            return
+        if cmd == "eval":
+            self.run_text(" ".join(args))
+            return
+        if cmd in self.functions and self.calls < self.MAX_CALLS:
+            saved, self.positional = self.positional, [[(a, "$" not in a)] for a in args]
+            self.calls += 1
+            self.conditional += 1
+            try:
+                self.run(self.functions[cmd])
+            finally:
+                self.positional, self.calls, self.conditional = saved, self.calls - 1, self.conditional - 1
+            return
+        env = {name: self.text_of(self.scalar(value)) for name, _, value in prefix if name.startswith("SRUN_")}
+        exported = {n: self.text_of(self.vars.get(n, UNKNOWN)) for n in self.exported if n.startswith("SRUN_")}
+        self.sink(Ran(fields, env, node.line, self.conditional > 0, {**exported, **env}))
+
+    def run_text(self, text: str) -> None:
+        """A piece of shell given as a string (eval, bash -c): parsed and run here."""
+        lexer = ShellLexer(text).run()
+        self.run(ShellParser(lexer.tokens).parse_list())
+
+    def run_script(self, text: str) -> ShellLexer:
+        lexer = ShellLexer(text).run()
+        try:
+            self.run(ShellParser(lexer.tokens).parse_list())
+        except StopScript:
+            pass
+        return lexer
+
+
+# -- the launch lines: which program each command starts, through srun and which launcher --
+
+@dataclass
+class LaunchLine:
+    """A command that starts a Python program: through srun or not, with which launcher, and the launcher's options.
+    `words` is the whole command as bash runs it (srun ... torchrun ... script args), `script` the index in it of the
+    program's script (or module)."""
+    where: str
+    words: list[str]
+    script: int
+    launcher: str  # "python" (a script run by python), "torchrun", "deepspeed", "accelerate", "program" (anything)
+    srun: list[tuple[str, str | None]] | None  # srun's options; None: run by the batch shell, once
+    options: dict[str, str | None] = field(default_factory=dict)  # the launcher's own, names with '-' for '_'
+    env: dict[str, str | None] = field(default_factory=dict)  # exported SRUN_/SLURM_ variables srun reads
+    module: bool = False  # python -m / torchrun -m: `script` names a module
+    per_task: bool = False  # inside `srun bash -c '...'`: $SLURM_PROCID and the like are each task's own
+    layout: dict = field(default_factory=dict)  # check_job's verdict: agents, processes per node, GPUs each
+
+    @property
+    def program(self) -> str:
+        return os.path.basename(self.words[self.script]) if self.script < len(self.words) else ""
+
+    @property
+    def args(self) -> list[str]:
+        return self.words[self.script + 1:]
+
+
+# The launchers' options that take no value (each launcher's own argparse): torch/distributed/run.py (torch 2.13,
+# same names since 1.10 with '-' or '_'), deepspeed/launcher/runner.py, accelerate/commands/launch.py. Any other
+# option takes a value, as `--name value` or `--name=value`.
+LAUNCHER_FLAGS = {
+    "torchrun": {"standalone", "module", "m", "no-python", "run-path", "virtual-local-rank", "use-env"},
+    "deepspeed": {"module", "no-python", "no-local-rank", "no-ssh", "no-ssh-check", "force-multi", "save-pid",
+                  "elastic-training", "bind-cores-to-rank"},
+    "accelerate": {"cpu", "multi-gpu", "tpu", "ipex", "enable-cpu-affinity", "dynamo-use-fullgraph",
+                   "dynamo-use-dynamic", "use-deepspeed", "use-fsdp", "use-megatron-lm", "use-xpu", "same-network",
+                   "module", "m", "no-python", "tpu-cluster", "no-tpu-cluster", "tpu-use-sudo", "downcast-bf16",
+                   "quiet", "q", "debug"},
+}
+LAUNCHER_SHORT = {"deepspeed": {"H": "hostfile", "i": "include", "e": "exclude"},
+                  "accelerate": {"t": "tee"}, "torchrun": {"r": "redirects", "t": "tee"}}
+PYTHON_MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "torchrun",
+                  "deepspeed.launcher.runner": "deepspeed", "accelerate.commands.launch": "accelerate"}
+WRAPPERS = {"exec", "command", "builtin", "nohup", "time", "nice", "stdbuf", "env", "timeout", "numactl", "taskset",
+            "singularity", "apptainer", "unbuffer"}
+KIT_TOOLS = ("check_topology.py", "idr_torch.py")  # the kit's own helpers: no training
+
+
+def launcher_options(kind: str, words: list[str], start: int) -> tuple[dict[str, str | None], int, bool]:
+    """A launcher's options from words[start:]: (options, index of the script, -m given)."""
+    flags, short, options, i = LAUNCHER_FLAGS[kind], LAUNCHER_SHORT.get(kind, {}), {}, start
+    while i < len(words):
+        w = words[i]
+        if w == "--":
+            return options, i + 1, bool(options.keys() & {"module", "m"})
+        if not w.startswith("-") or w == "-":
+            break
+        name, eq, value = w.lstrip("-").partition("=")
+        name = short.get(name, name).replace("_", "-")
+        i += 1
+        if name in flags:
+            options[name] = None
+        elif eq:
+            options[name] = value
+        elif i < len(words) and not (words[i].startswith("--") or words[i].endswith(".py")):
+            options[name], i = words[i], i + 1
+        else:
+            options[name] = None
+    return options, i, bool(options.keys() & {"module", "m"})
+
+
+def python_script(words: list[str], start: int) -> tuple[int, bool, bool]:
+    """python's own options from words[start:]: (index of the script or module, -m given, -c given)."""
+    i = start
+    while i < len(words):
+        w = words[i]
+        if w == "--":
+            return i + 1, False, False
+        if not w.startswith("-") or w == "-" or w.startswith("--"):
+            if w.startswith("--") and w != "--":
+                i += 1 + (w == "--check-hash-based-pycs")
+                continue
+            return i, False, False
+        i += 1
+        for j, letter in enumerate(w[1:], 1):
+            if letter in "mc":
+                rest = w[j + 1:]
+                if rest:  # python -mtorch.distributed.run
+                    words.insert(i, rest)
+                return i, letter == "m", letter == "c"
+            if letter in "WX":
+                i += 0 if w[j + 1:] else 1
+                break
+    return i, False, False
+
+
+def skip_wrappers(words: list[str], i: int) -> int:
+    """Past exec, time, env A=b, nohup, nice -n 5, numactl/taskset/timeout ..., singularity exec [opts] IMAGE."""
+    while i < len(words):
+        prog = os.path.basename(words[i])
+        if prog not in WRAPPERS:
+            return i
+        i += 1
+        if prog in ("singularity", "apptainer"):
+            if i < len(words) and words[i] in ("exec", "run"):
+                i += 1
+            while i < len(words) and words[i].startswith("-"):
+                has_value = "=" not in words[i] and words[i] not in (
+                    "--nv", "--nvccli", "--rocm", "-e", "--cleanenv", "-c", "--contain", "-C", "--containall",
+                    "-w", "--writable", "--no-home", "-f", "--fakeroot", "-u", "--userns")
+                i += 1 + has_value
+            i += 1  # the image
+            continue
+        while i < len(words) and (words[i].startswith("-") or (prog == "env" and "=" in words[i])):
+            takes = {"nice": ("-n",), "env": ("-u", "--unset", "-C", "--chdir"), "timeout": ("-s", "-k"),
+                     "taskset": (), "stdbuf": ("-i", "-o", "-e"), "command": (), "time": ("-o", "-f")}.get(prog, ())
+            i += 2 if words[i] in takes else 1
+        if prog in ("timeout", "taskset") and i < len(words):
+            i += 1  # the duration, the CPU mask
+    return i
+
+
+def find_launches(ran: Ran, name: str, findings: Findings, srun: list | None = None, per_task: bool = False,
+                  shell: "ShellRun | None" = None) -> list[LaunchLine]:
+    """The Python programs one command starts (none for cp, echo, module ...), through srun, bash -c and the
+    launchers torchrun, python -m torch.distributed.run, deepspeed and accelerate launch."""
+    words, where = ran.fields, f"{name}:{ran.line}"
+    i = skip_wrappers(words, 0)
+    if i >= len(words):
+        return []
+    prog, env = os.path.basename(words[i]), ran.exported
+    if prog == "srun" and srun is None:
+        options, rest = parse_options(words[i + 1:], where, findings, prog="srun")
+        prefix = words[:len(words) - len(rest)]
+        inner = Ran(list(rest), ran.env, ran.line, ran.conditional, ran.exported)
+        found = find_launches(inner, name, findings, options, per_task, shell)
+        for launch in found:
+            launch.words = prefix + launch.words
+            launch.script += len(prefix)
+        if found or not rest:
+            return found
+        return [LaunchLine(where, words, len(prefix), "program", options, env=env, per_task=per_task)]
+    if prog in ("bash", "sh", "dash", "zsh") and "-c" in words[i + 1:] and shell is not None:
+        text = words[words.index("-c", i) + 1] if words.index("-c", i) + 1 < len(words) else ""
+        found: list[LaunchLine] = []
+        inner = ShellRun({k: v for k, v in shell.vars.items() if k in shell.exported}, lambda r: found.extend(
+            find_launches(r, name, findings, srun, srun is not None, None)), shell.exported)
+        if srun is not None:
+            inner.vars.update({k: UNKNOWN for k in PER_TASK})
+        try:
+            inner.run_text(text)
+        except (StopScript, RecursionError):
+            pass
+        for launch in found:
+            launch.where = where
+        return found
+    kind, start, module = None, i + 1, False
+    if re.fullmatch(r"python[0-9.]*|pypy3?", prog):
+        start, module, command = python_script(words, i + 1)
+        if command or start >= len(words):
+            return [LaunchLine(where, words, min(start, len(words) - 1), "program", srun, env=env)] if srun else []
+        if module and words[start].split(".")[0] in ("pip", "venv", "ensurepip", "json", "http", "site"):
+            return []  # python's own tools: an install, not a program of the job
+        kind = PYTHON_MODULES.get(words[start]) if module else "python"
+        if kind is None:
+            kind = "python"
+        elif kind != "python":
+            start += 1
+    elif prog == "torchrun" or prog == "deepspeed":
+        kind = prog
+    elif prog == "accelerate" and words[i + 1:i + 2] == ["launch"]:
+        kind, start = "accelerate", i + 2
+    elif prog.endswith(".py"):
+        kind, start = "python", i
+    if kind is None:
+        return [LaunchLine(where, words, i, "program", srun, env=env, per_task=per_task)] if srun is not None else []
+    options = {}
+    if kind != "python":
+        options, start, module = launcher_options(kind, words, start)
+    if start >= len(words):
+        return []
+    return [LaunchLine(where, list(words), start, kind, srun, options, env, module, per_task)]
+
+
+
+# What the checker judges from which arguments, in which layout: said when a shell variable hides some of them.
+DEPENDS = (("the fit in memory", ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size",
+                                 "dropout", "chunks", "batch_size", "precision", "activation_checkpointing", "zero",
+                                 "nb_part", "devices"), ("replica",)),
+           ("the pipeline bubble", ("chunks", "batch_size", "nb_part"), ("replica",)),
+           ("--chunks dividing --batch-size", ("chunks", "batch_size"), ("replica", "stage")),
+           ("the layers per part", ("nlayers", "nb_part", "pp", "schedule", "virtual_stages"), ("replica", "stage")),
+           ("the pipelines against the tasks", ("pp", "schedule", "virtual_stages", "chunks"), ("stage",)),
+           ("--d-model against --n-head", ("d_model", "n_head"), ("replica", "stage")))
 
 
 def training_from_argv(argv: list[str], t: Training, where: str, findings: Findings) -> None:
-    """The trainer's own arguments on its srun line (only the ones the plan depends on)."""
-    names = {"--nlayers": "nlayers", "--chunks": "chunks", "--batch-size": "batch_size", "--nb-part": "nb_part",
-             "--engine": "engine", "--pp": "pp", "--schedule": "schedule",
-             "--virtual-stages": "virtual_stages", "--precision": "precision"}
-    model = {"--d-model": "d_model", "--n-head": "n_head", "--d-hid": "d_hid", "--seq-len": "seq_len",
-             "--vocab-size": "vocab_size", "--dropout": "dropout"}
-    names.update(model)
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        name, eq, value = tok.partition("=")
-        i += 1
-        if tok in ("--activation-checkpointing", "--zero"):  # flags: no value
-            setattr(t, tok[2:].replace("-", "_"), True)
-            continue
-        if name == "--devices":
-            value, i = (value, i) if eq else (argv[i] if i < len(argv) else "", i + 1)
-            t.devices = parse_devices(value, where, findings)
-            continue
-        if name not in names:
-            continue
-        if not eq:
-            if i >= len(argv):
-                findings.error("bad-value", f"{where}: {name} has no value")
-                return
-            value, i = argv[i], i + 1
-        attr = names[name]
-        if "$" in value:
-            t.unchecked.append(f"{where}: {name} {value}")
-            continue
-        if attr in ("engine", "schedule", "precision"):
-            if attr == "precision" and value not in PRECISIONS:
-                findings.error("bad-value", f"{where}: --precision {value!r} is not one of {', '.join(PRECISIONS)}")
-                continue
-            setattr(t, attr, value)
-            continue
-        if attr == "dropout":
-            try:
-                t.model["dropout"] = float(value)
-            except ValueError:
-                findings.error("bad-value", f"{where}: --dropout {value!r} is not a number")
-            continue
-        try:
-            number = int(value)
-        except ValueError:
-            findings.error("bad-value", f"{where}: {name} {value!r} is not an integer")
-            continue
-        if below_one({name: number}):
-            findings.error("bad-value", f"{where}: {below_one({name: number})}")
-            continue
-        if name in model:
-            t.model[attr] = number
-        else:
-            setattr(t, attr, number)
+    """The trainer's arguments on its line, read by the trainer's own parser (read_trainer_argv): its refusals
+    become findings in its words; a shell variable leaves what it may set unknown (t.unknown), never judged."""
+    line = read_trainer_argv(t.layout, argv, shell=True)
+    findings.extend(Finding(f.level, f.code, f"{where}: {f.message}") for f in line.findings)
+    if line.findings.errors:
+        t.unknown = line.unknown
+        return
+    given = [d for d in line.given if d not in line.unknown]
+    known = training_from_args(line.values, t.layout, given)
+    for name in given:
+        if name in TRAINING_FIELDS:
+            setattr(t, name, getattr(known, name))
+        elif name in known.model:
+            t.model[name] = known.model[name]
+    t.unknown, t.unchecked = line.unknown, t.unchecked + [f"{where}: {u}" for u in line.unchecked]
+    script, source = SCRIPTS[t.layout], where.rpartition(":")[0] or "SCRIPT"
+    for token in line.unchecked:
+        alone = token in line.standalone
+        names = line.unknown if alone else [ARG[token.split(" ")[0][2:].replace("-", "_")].dest]
+        hidden = [what for what, needs, layouts in DEPENDS if t.layout in layouts and set(needs) & set(names)]
+        say = (f"may hold any of {script}'s arguments: nothing that depends on them is checked" if alone else
+               "is a shell variable: its value is not checked, nor what depends on it")
+        fix = (f"give the values it holds on the checker's command line (python check_topology.py {source} "
+               f"--nlayers N --chunks N --batch-size N ...): the arguments not given there are then taken at "
+               f"{script}'s defaults" if alone else
+               f"give its value on the checker's command line (python check_topology.py {source} "
+               f"{token.split(' ')[0]} VALUE)")
+        findings.warn("unchecked-argument", f"{where}: {token} {say}" + (f" ({', '.join(hidden)})" if hidden else "")
+                      + f", and no default is judged in its place; {fix}")
+    if line.help or line.values.check_args:
+        findings.warn("no-training", f"{where}: {script} {'--help' if line.help else '--check-args'} prints "
+                      f"{'its help' if line.help else 'its verdict on the arguments'} and exits: this line trains "
+                      "nothing; remove it to train")
 
 
-def read_trainer_line(line: str, script: str, where: str, job: Job, training: Training, findings: Findings) -> None:
-    """The trainer's line: srun's options (the step's shape), the layout its script runs, its arguments."""
-    try:
-        argv = shlex.split(line, comments=True)
-    except ValueError as exc:
-        findings.error("bad-command", f"{where}: cannot parse the trainer's line ({exc})")
-        return
-    cut = next((i for i, a in enumerate(argv) if a.endswith(script)), None)
-    if cut is None:
-        return
+def read_trainer_line(launch: "LaunchLine", script: str, where: str, job: Job, training: Training,
+                      findings: Findings) -> None:
+    """The trainer's line as bash runs it (find_launches): srun's options (the step's shape), torchrun's workers,
+    the layout its script runs, its arguments."""
+    argv, cut = launch.words, launch.script
     training.layout = TRAINERS[script]
-    launcher = argv[:cut]
-    at = next((i for i, a in enumerate(launcher) if os.path.basename(a) == "srun"), None)
-    job.srun = at is not None
-    job.launcher = " ".join(launcher) or "(nothing)"
-    job.trainer = script
-    if at is not None:
-        options, _command = parse_options(launcher[at + 1:], where, findings, prog="srun")
-        for name, value in options:
-            apply_srun_option(job, name, value, where, findings)
-    other = [a.partition("=")[0] for a in argv[cut + 1:] if a.partition("=")[0] in NOT_ARGS[training.layout]]
-    if other:
-        fix = ("use bench_stage.py for the stage layout" if training.layout == "replica"
-               else "use bench_ddp_transformer.py for the replica layout")
-        findings.error("bad-layout", f"{where}: {script} has no {', '.join(other)} (its argparse refuses the line); "
-                       f"{fix}")
-    training_from_argv([a for a in argv[cut + 1:] if a.partition("=")[0] != "--layout"], training, where, findings)
+    job.srun = launch.srun is not None
+    job.launcher = " ".join(argv[:cut]) or "(nothing)"
+    job.trainer, job.trainer_line = script, launch
+    if launch.srun is not None:
+        apply_step(job, launch, findings)
+        check_option_values(job, launch.srun, where, findings, prog="srun", record=False)
+    if launch.launcher == "torchrun":
+        job.workers = workers_of(launch)
+        if job.workers is None:
+            job.workers = 1  # planned as one worker per agent; what depends on the split is left unjudged
+            nproc = launch.options.get("nproc-per-node")
+            training.unchecked.append(f"{where}: torchrun --nproc_per_node {nproc}")
+            findings.warn("unchecked-argument", f"{where}: torchrun --nproc_per_node {nproc} is a shell variable: the "
+                          "workers per node, so each one's GPUs (nb_part), the bubble and the fit are not checked; "
+                          "write the number, or check each value with --ntasks-per-node N on the checker's line")
+    elif launch.launcher in ("deepspeed", "accelerate"):
+        findings.warn("launcher-not-modelled", f"{where}: the kit's trainer under {launch.launcher}: its processes "
+                      "are planned as srun's tasks; start it with srun or torchrun, as the templates do")
+    training_from_argv(argv[cut + 1:], training, where, findings)
+    if launch.launcher == "torchrun" and workers_of(launch) is None:  # the split depends on the workers per node
+        training.unknown = list(dict.fromkeys([*training.unknown, "nb_part"]))
+
+
+# -- the script as a whole: directives, then bash's run of it, then its launch lines --
+
+def batch_variables(job: Job) -> dict:
+    """The SLURM_ variables the batch script sees, as far as the request decides them (read off the test cluster's
+    batch steps: tests/test_launch_slurm.py compares them): known ones as values, the others present but unknown."""
+    known: dict[str, str] = {"SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    nodes = job.nodes if job.nodes and "nodes" in job.options and "-" not in str(job.options.get("nodes")) else None
+    if nodes:
+        known["SLURM_JOB_NUM_NODES"] = known["SLURM_NNODES"] = str(nodes)
+    ntasks = job.ntasks or (nodes * job.ntasks_per_node if nodes and job.ntasks_per_node else None)
+    if ntasks:
+        known["SLURM_NTASKS"] = known["SLURM_NPROCS"] = str(ntasks)
+    for name, value in (("SLURM_NTASKS_PER_NODE", job.ntasks_per_node), ("SLURM_CPUS_PER_TASK", job.cpus_per_task),
+                        ("SLURM_GPUS_PER_NODE", job.options.get("gpus-per-node")),
+                        ("SLURM_GPUS", job.options.get("gpus")), ("SLURM_HINT", job.hint),
+                        ("SLURM_JOB_PARTITION", job.partition)):
+        if value is not None and "$" not in str(value):
+            known[name] = str(value)
+    gpn = job.gres_gpus or job.gpus_per_node or (job.gpus_per_task * job.ntasks_per_node if job.gpus_per_task and
+                                                 job.ntasks_per_node else None)
+    if gpn is None and job.gpus_total and nodes and job.gpus_total % nodes == 0:
+        gpn = job.gpus_total // nodes if nodes == 1 else None
+    out = {k: ShellRun.known(v) for k, v in known.items()}
+    if gpn:
+        out["SLURM_GPUS_ON_NODE"] = ShellRun.known(str(gpn))
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURMD_NODENAME",
+                 "SLURM_SUBMIT_DIR", "SLURM_JOB_NAME", "SLURM_JOB_CPUS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                 "SLURM_CLUSTER_NAME", "SLURM_JOB_ACCOUNT", "SLURM_JOB_QOS", "SLURM_JOB_GPUS", "SLURM_JOB_PARTITION",
+                 "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_GPUS_ON_NODE", "SLURM_RESTART_COUNT"):
+        out.setdefault(name, UNKNOWN)
+    if "array" in job.options:
+        for name in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN",
+                     "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_STEP"):
+            out[name] = UNKNOWN
+    return out
+
+
+MODULE_COMMANDS = ("module", "ml")
+
+
+def read_modules(ran: Ran, job: Job) -> None:
+    """module load/add/purge/unload/swap and Lmod's ml, in every form: the modules loaded, in order."""
+    words = ran.fields
+    if os.path.basename(words[0]) not in MODULE_COMMANDS:
+        return
+    args = [w for w in words[1:] if not w.startswith("-")]
+    verb = args[0] if args else ""
+    if words[0] == "ml" and verb not in ("load", "add", "purge", "unload", "rm", "del", "swap", "switch", "list",
+                                         "av", "avail", "spider", "show", "help", "save", "restore"):
+        verb, args = "load", ["load"] + [w for w in words[1:] if not w.startswith("-")]
+        job.modules = [m for m in job.modules if m not in [w[1:] for w in words[1:] if w.startswith("-")]]
+    if verb == "purge":
+        job.modules = []
+    elif verb in ("load", "add", "try-load", "try-add"):
+        job.modules += args[1:]
+    elif verb in ("unload", "rm", "del", "remove"):
+        job.modules = [m for m in job.modules if m not in args[1:] and m.split("/")[0] not in args[1:]]
+    elif verb in ("swap", "switch") and len(args) >= 3:
+        job.modules = [args[2] if m == args[1] or m.split("/")[0] == args[1] else m for m in job.modules]
+    loaded = [m for m in job.modules if torch_version_of(m)]
+    job.torch_module = loaded[-1] if loaded else None
 
 
 def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
-    """Read the job script the way sbatch 22.05 does (measured on the test cluster, tests/test_sbatch_rules.py):
-    the header is every line up to the first one that is neither blank nor a comment (an indented '# ...' is a
-    comment); in it, lines starting with '#SBATCH' in column 0 (case matters) are directives, and so are
-    '#PBS' and '#BSUB' lines, translated, unless --ignore-pbs is given. Then the trainer's srun line."""
-    try:
-        text = Path(path).read_bytes().decode("utf-8", errors="replace")  # bytes: keep any \r\n to see it
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    """Read the job script the way sbatch 22.05 and bash do: the header's directives (read_directives), then every
+    command bash would run (its variables expanded, here-documents set aside, functions called), for the modules it
+    loads and the programs it launches. The first launch of a kit trainer is the trainer line; without one, the
+    other launch lines are judged at the Slurm level only (job.trainer is None)."""
+    text, too_large = read_script_text(path)
     job, training, findings = Job(source=str(path)), Training(), Findings()
     name = Path(path).name
+    if too_large:
+        findings.error("script-too-large", f"{name}: the script is larger than {MAX_SCRIPT_BYTES // 2 ** 20} MiB: "
+                       "slurmctld refuses it ('Pathname of a file, directory or other parameter too long', measured "
+                       "at 4.3 MB); keep data out of the script")
+        job.unplanned = "the script is too large for Slurm"
+        return job, training, findings
+    if "\0" in text:
+        findings.error("not-a-script", f"{name}: the file holds NUL bytes (a binary file?): sbatch refuses it ('does "
+                       "not allow scripts that contain a NULL character'); give the job script")
+        job.unplanned = "not a job script"
+        return job, training, findings
     if "\r\n" in text:
         findings.error("dos-line-breaks", f"{name}: the file has DOS line breaks (\\r\\n): sbatch refuses it "
                        f"('Batch script contains DOS line breaks'); convert it: dos2unix {name}")
@@ -2301,105 +4296,251 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     if not text.startswith("#!"):
         findings.error("no-shebang", f"{name}:1: the first line is not '#!' and an interpreter: sbatch refuses the "
                        "file ('This does not look like a batch script'); make line 1 '#!/bin/bash'")
-    in_header, foreign = True, []
-    for lineno, line in logical_lines(text):
-        where = f"{name}:{lineno}"
-        stripped = line.strip()
-        if line.startswith("#SBATCH"):
-            if in_header:
-                read_directive(line, where, job, findings)
-            else:
-                findings.warn("ignored-directive", f"{where}: '{stripped}' comes after the first command; "
-                              "sbatch ignores it: move it above the first command")
-            continue
-        if in_header and line.startswith(("#PBS", "#BSUB")):
-            foreign.append((where, stripped))
-            continue
-        if re.match(r"#\s*SBATCH\s*-", stripped, re.I):  # a directive gone wrong, not a comment that says sbatch
-            findings.warn("ignored-directive", f"{where}: '{stripped}' is not read by sbatch (a directive is "
-                          "'#SBATCH', in capitals, from column 0): write it as '#SBATCH ...' at the start of the line")
-            continue
-        if not stripped or stripped.startswith("#"):
-            continue
-        in_header = False
-        m = re.match(r"module\s+load\s+(.*)", stripped)
-        if m:
-            job.modules += m.group(1).split()
-            for mod in m.group(1).split():
-                if torch_version_of(mod):
-                    job.torch_module = mod
-        script = next((name for name in TRAINERS if name in stripped), None)
-        if script and job.srun is None:
-            read_trainer_line(stripped, script, where, job, training, findings)
-    if foreign and not job.ignore_pbs:
-        where, line = foreign[0]
-        findings.error("pbs-directive", f"{where}: sbatch also reads '{line}' ({len(foreign)} #PBS/#BSUB line(s); "
-                       "measured: '#PBS -l nodes=2' gave a 2-node job), which this plan does not model; write it as "
-                       "#SBATCH, or add '#SBATCH --ignore-pbs'")
-    if job.srun is None:
-        findings.warn("no-trainer-line", f"{name}: no 'srun ... bench_ddp_transformer.py' (or bench_stage.py) line "
-                      "found; the training arguments were taken from the defaults")
+    if not text.strip():
+        raise UsageError(f"{path} is empty: nothing to check (sbatch refuses it too: 'Batch script is empty!')")
+    first_command = read_directives(text, name, job, findings)
+    if any(f.code == "count-too-large" for f in findings):
+        job.unplanned = "a count no node has"
+        return job, training, findings
+    check_option_conflicts(job, findings)
+    ran: list[Ran] = []
+    shell = ShellRun(batch_variables(job), ran.append)
+    launches: list[LaunchLine] = []
+
+    def sink(r: Ran) -> None:
+        read_modules(r, job)
+        launches.extend(find_launches(r, name, findings, shell=shell))
+    shell.sink = sink
+    try:
+        lexer = shell.run_script(text)
+        heredocs = lexer.heredocs
+        if lexer.unclosed:
+            line, quote = lexer.unclosed
+            findings.error("bad-command", f"{name}:{line}: the {quote} opened here is never closed: bash stops the "
+                           f"job there ('unexpected EOF while looking for matching `{quote}'') and what follows is "
+                           "read as one string; close the quote")
+    except RecursionError:
+        heredocs = []
+        findings.warn("shell-unread", f"{name}: the script nests too deeply to follow; its launch lines may be "
+                      "missed")
+    stray_directives(text, name, first_command, heredocs, findings)
+    kit = next((x for x in launches if x.program in TRAINERS and not x.module), None)
+    if kit is None:
+        job.trainer, job.srun, job.sourced = None, None, shell.sourced
+        read_launch_lines(job, [x for x in launches if x.program not in KIT_TOOLS], findings)
+        return job, training, findings
+    read_trainer_line(kit, kit.program, kit.where, job, training, findings)
+    read_launch_lines(job, [x for x in launches if x is not kit and x.srun is not None], findings)
     return job, training, findings
+
+
+def read_launch_lines(job: Job, launches: list[LaunchLine], findings: Findings) -> None:
+    """The launch lines besides the trainer's: srun's option values checked now, their layout in check_job."""
+    for launch in launches:
+        if launch.srun:
+            check_option_values(job, launch.srun, launch.where, findings, prog="srun", record=False)
+    job.launches = launches
+
+
+def apply_step(job: Job, launch: LaunchLine, findings: Findings) -> None:
+    """srun's options on a launch line, and SRUN_CPUS_PER_TASK from its environment (srun 22.05 reads it as -c)."""
+    for name, value in launch.srun or []:
+        apply_srun_option(job, name, value, launch.where, findings)
+    cpus = launch.env.get("SRUN_CPUS_PER_TASK")
+    if job.step_cpus_per_task is None and cpus and cpus.isdigit():
+        job.step_cpus_per_task = int(cpus)
+    job.srun_cpus = job.step_cpus_per_task is not None or "SRUN_CPUS_PER_TASK" in launch.env or any(
+        n == "cpus-per-task" for n, _ in launch.srun or [])
+
+
+def workers_of(launch: LaunchLine) -> int | str | None:
+    """torchrun's --nproc_per_node (default 1): a count, 'gpu' / 'auto' (one per GPU it sees), 'cpu', or None when
+    written with a shell variable this reading doesn't know."""
+    value = launch.options.get("nproc-per-node", "1") or "1"
+    if "$" in value:
+        return None
+    if value.isdigit():
+        return int(value) if int(value) <= COUNT_LIMITS["ntasks-per-node"] else None
+    return value.lower() if value.lower() in ("gpu", "auto", "cpu") else None
 
 
 # ---- II.5 Checking a job: every task's plan, then the whole ----------------------------------------------------------
 
 def check_job(job: Job, training: Training) -> Report:
-    """Plan every task of a request and check the whole."""
+    """Plan every task of a request and check the whole. Without a kit trainer in the script (job.trainer None),
+    only the Slurm and site layer: the request, the placement, each launch line's processes, Jean Zay's rules."""
     findings = Findings()
-    tasks_per_node = job_tasks_per_node(job, findings)
+    if job.unplanned:
+        return Report(job, training, [], findings, [f"nothing planned: {job.unplanned}"])
+    if job.trainer is None:
+        return check_other_program(job, training, findings)
+    tasks_per_node = step_placement(job, findings)
+    if too_many_tasks(tasks_per_node, findings):
+        return Report(job, training, [], findings, ["nothing planned: more tasks than the nodes run"])
     gpn = step_gpus_per_node(job, tasks_per_node, findings)
     job.gpus_per_node = gpn
     if training.nlayers is None:  # the trainer's own default for what it will run on
         training.nlayers = (GPU_DEFAULTS if gpn else CPU_DEFAULTS)["nlayers"]
     check_gpus_fit(job, gpn, tasks_per_node, findings)
+    procs_per_node, agent_view = tasks_per_node, None
+    if job.workers is not None:  # torchrun: its workers are the trainer's processes (LOCAL_WORLD_SIZE = workers)
+        procs_per_node, agent_view = torchrun_processes(job, tasks_per_node, gpn, findings)
+        if too_many_tasks(procs_per_node, findings):
+            return Report(job, training, [], findings, ["nothing planned: more processes than the nodes run"])
     stage = training.layout == "stage"
     if stage:
         training.nb_part = 1  # a task per GPU
-    check_divisible(job, gpn, tasks_per_node, training, findings)
+    check_divisible(job, gpn, procs_per_node, training, findings)
     plans: list[TaskPlan] = []
-    for node, tasks in enumerate(tasks_per_node):
+    ranks = task_ranks(job, procs_per_node, findings)
+    planned: dict[tuple[int, int], TaskPlan] = {}  # a task's plan depends on its node's count and its local rank
+    for node, tasks in enumerate(procs_per_node):
         for local in range(tasks):
-            visible = gpu_view(job, local, tasks, gpn, findings) if gpn else []
-            plans.append(plan_task(len(plans), node, local, tasks, visible, gpn, training.nlayers,
-                                   training.nb_part, findings, training.devices))
+            if (tasks, local) not in planned:
+                visible = (agent_view if agent_view is not None else gpu_view(job, local, tasks, gpn, findings)
+                           ) if gpn else []
+                # under torchrun idr_torch knows no SLURM_GPUS_ON_NODE (launcher torchrun): the plan is the page's
+                planned[tasks, local] = plan_task(0, node, local, tasks, visible,
+                                                  None if job.workers is not None else gpn, training.nlayers,
+                                                  training.nb_part, findings, training.devices)
+            plan = copy.copy(planned[tasks, local])  # its lists are shared, never changed after planning
+            plan.rank, plan.node = ranks[node, local], node
+            plans.append(plan)
+    plans.sort(key=lambda p: p.rank)
     _dedupe(findings)
     report = Report(job, training, plans, findings)
-    check_node_usage(report)
-    nb_parts = [p.nb_part for p in plans if p.nb_part]
-    if stage:
-        check_training(check_stage(len(plans), tasks_per_node, gpn, training, findings), training, findings)
-        if gpn and training.pp >= 1 and len(plans) % training.pp == 0:  # the fit of each pipeline's tasks
-            line = check_memory(job, training, training.pp, len(plans) // training.pp, gpn, findings)
-            report.notes += [line] if line else []
-    elif nb_parts:
-        check_training(min(nb_parts), training, findings, cpu=not gpn)
-        if gpn:
-            check_bubble(min(nb_parts), training, findings)
-        line = check_memory(job, training, min(nb_parts), len(plans), max(tasks_per_node), findings) if gpn else None
-        report.notes += [line] if line else []
-    check_engine(job, training, findings)
-    check_gpu_cgroups(job, tasks_per_node, gpn, findings)
-    check_cpus(job, min(nb_parts) if nb_parts else 1, tasks_per_node, findings)
-    check_time(job, findings)
-    check_jean_zay(job, findings)
-    note_page_indexing(report)
+    check_kit(report, procs_per_node, gpn)
+    gpus_per_task = (gpn // max(tasks_per_node)) if gpn else 0
+    check_site(job, tasks_per_node, gpus_per_task, gpn, findings)
+    check_steps_cpus(job, findings)
     if job.placement == "possible":
         report.notes.append(f"placement: Slurm decides by free cores; the table shows one placement it may make "
                             f"({','.join(map(str, tasks_per_node))} task(s) per node)")
     return report
 
 
+def task_ranks(job: Job, per_node: list[int], findings: Findings) -> dict[tuple[int, int], int]:
+    """The global rank of each (node, local rank) as srun's --distribution numbers them (man srun -m): block (the
+    default) fills a node before the next, cyclic deals one task a node per round, plane=N deals N at a time.
+    torchrun numbers its workers node by node (block) whatever srun does."""
+    dist = (job.distribution or "block").lower() if job.workers is None else "block"
+    base = dist.split(":")[0].split(",")[0]
+    deal = 1 if base == "cyclic" else int(dist.split("=")[1]) if re.fullmatch(r"plane=\d+", base) and \
+        int(dist.split("=")[1]) > 0 else max(per_node) if base in ("block", "*", "") else None
+    if deal is None:
+        findings.warn("distribution-not-modelled", f"{job.option_lines.get('distribution', 'srun')}: "
+                      f"--distribution={job.distribution}: which task runs where is given by a node list here, not "
+                      f"modelled; the plan numbers the {sum(per_node)} tasks node by node")
+        deal = max(per_node)
+    ranks, done, rank = {}, [0] * len(per_node), 0
+    while rank < sum(per_node):
+        for node, count in enumerate(per_node):
+            for _ in range(min(deal, count - done[node])):
+                ranks[node, done[node]] = rank
+                done[node] += 1
+                rank += 1
+    return ranks
+
+
+def check_kit(report: Report, procs_per_node: list[int], gpn: int | None) -> None:
+    """What only the kit's trainer is judged on: its GPUs per task, its model and pipeline, its fit, its torch."""
+    job, training, findings, plans = report.job, report.training, report.findings, report.tasks
+    check_node_usage(report)
+    nb_parts = [p.nb_part for p in plans if p.nb_part]
+    cpu = all(p.cpu for p in plans) if plans else not gpn
+    if training.layout == "stage":
+        stages = check_stage(len(plans), procs_per_node, gpn, training, findings, cpu)
+        check_training(stages, training, findings, cpu=cpu)
+        if not cpu and stages and len(plans) % training.pp == 0:  # the fit of each pipeline's tasks
+            line = check_memory(job, training, training.pp, len(plans) // training.pp, gpn, findings)
+            report.notes += [line] if line else []
+    elif nb_parts:
+        check_training(min(nb_parts), training, findings, cpu=cpu)
+        if not cpu:  # each leaves alone what a shell variable may hold (training.unknown)
+            check_bubble(min(nb_parts), training, findings)
+            line = check_memory(job, training, min(nb_parts), len(plans), max(procs_per_node), findings)
+            report.notes += [line] if line else []
+    check_engine(job, training, findings)
+    check_gpu_cgroups(job, procs_per_node, gpn, findings)
+    note_page_indexing(report)
+
+
+def check_site(job: Job, tasks_per_node: list[int], gpus_per_task: int, gpn: int | None, findings: Findings) -> None:
+    """The cores, the time, the nodes and Jean Zay's accounts, QoS and modules: the same for every program."""
+    check_cpus(job, gpus_per_task, tasks_per_node, findings)
+    check_time(job, findings)
+    check_nodes(job, findings)
+    nodes = len(tasks_per_node)
+    check_jean_zay(job, findings, gpus_asked=(gpn or 0) * nodes or None,
+                   cores_asked=sum(tasks_per_node) * (job.cpus_per_task or 1))
+
+
+def check_steps_cpus(job: Job, findings: Findings) -> None:
+    """srun without -c in a job with --cpus-per-task: srun 22.05 and 23.02 do not pass the job's value on to the
+    step (SchedMD's 22.05 RELEASE_NOTES: 'srun will no longer read in SLURM_CPUS_PER_TASK'; 23.11 went back:
+    'Replace SRUN_CPUS_PER_TASK with SLURM_CPUS_PER_TASK and get back the previous behavior before Slurm 22.05'),
+    so each task gets 1 CPU where CPUs are bound, and may be placed otherwise than the allocation (measured)."""
+    if not job.cpus_per_task or job.cpus_per_task < 2:
+        return
+    lines = [job.trainer_line.where] if job.trainer_line and job.srun and not job.srun_cpus else []
+    for launch in job.launches:
+        if launch.srun is not None and launch.program not in SMALL_STEPS and not (
+                "SRUN_CPUS_PER_TASK" in launch.env or any(n == "cpus-per-task" for n, _ in launch.srun)):
+            lines.append(launch.where)
+    if lines:
+        lines = sorted(dict.fromkeys(lines), key=lambda w: int(w.rpartition(":")[2]))
+        findings.warn("srun-cpus-per-task", f"{lines[0]}: srun without -c in a job with --cpus-per-task="
+                      f"{job.cpus_per_task}" + (f" ({len(lines)} srun lines: {', '.join(l.rpartition(':')[2] for l in lines)})" if len(lines) > 1 else "")
+                      + ": Slurm 22.05 and 23.02 do not pass it on to the step, so each task runs on 1 CPU where "
+                      "CPUs are bound (its DataLoader workers and threads share it) and the step may be placed "
+                      "unlike the allocation (measured); write srun -c $SLURM_CPUS_PER_TASK, or export "
+                      "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK once (23.11 and later inherit it again)")
+
+
+# steps that need no more than the one CPU srun gives them (a node's name, its GPUs, a copy to local disk)
+SMALL_STEPS = {"hostname", "nvidia-smi", "echo", "env", "printenv", "date", "true", "sleep", "cat", "ls", "mkdir",
+               "rm", "cp", "mv", "rsync", "tar", "df", "free", "uname", "scontrol"}
+
+
+def torchrun_processes(job: Job, agents_per_node: list[int], gpn: int | None,
+                       findings: Findings) -> tuple[list[int], list[str] | None]:
+    """torchrun on the trainer's line: one agent per node starting `workers` processes, each with LOCAL_RANK and
+    LOCAL_WORLD_SIZE = workers, seeing what its agent's srun task sees. Returns (processes per node, what each
+    process sees)."""
+    launch = job.trainer_line
+    view = gpu_view(job, 0, agents_per_node[0], gpn, findings) if gpn else []
+    layout = launcher_layout(job, launch, agents_per_node, gpn, view, findings)
+    # with several agents on a node only one wins the rendezvous (launcher-agents-per-node says so): plan that one
+    per_node = [p // a for p, a in zip(layout["processes_per_node"], agents_per_node)]
+    fallback = job.workers if isinstance(job.workers, int) else 1  # a count this reading can't know: one
+    return per_node or [fallback] * len(agents_per_node), view
+
+
 def check_gpus_fit(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
-    """A GPU request at all, one the node can hold, tasks per node that agree, GPUs that divide among them."""
+    """A GPU request at all, one the node can hold, tasks per node that agree."""
+    check_gpu_request(job, gpn, findings)
+    check_even(job, gpn, tasks_per_node, findings)
+
+
+def check_gpu_request(job: Job, gpn: int | None, findings: Findings) -> None:
     ntype = node_type(job)
+    t = JEAN_ZAY[ntype] if ntype else None
     if not gpn:
-        findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) or "
-                       "--gpus-per-node=N")
-    elif ntype and gpn > NODE_TYPES[ntype]["gpus"]:
-        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {NODE_TYPES[ntype]['label']} have "
-                       f"{NODE_TYPES[ntype]['gpus']}; use --gres=gpu:{NODE_TYPES[ntype]['gpus']} or another "
-                       f"partition (-p gpu_p2 / -C a100 for 8 GPUs)")
+        if t and not t.gpus:
+            findings.warn("no-gpus", f"the job asks for {t.label}, which have no GPU: the trainer runs its CPU model "
+                          "(slow); for training ask for GPU nodes, e.g. --gres=gpu:4 -C v100-32g")
+        else:
+            findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) "
+                           "or --gpus-per-node=N")
+    elif t and gpn > t.gpus:
+        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {t.label} have {t.gpus}"
+                       + (f"; use --gres=gpu:{t.gpus} or another partition (-p gpu_p2 / -C a100 for 8 GPUs)"
+                          if t.gpus else "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
+
+
+def check_even(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
+    """Tasks per node that differ give nodes different nb_part (reported once: not when the request's packing
+    already was)."""
     reported = any(f.level == "error" and f.code in ("ntasks-mismatch", "ntasks-per-node-missing") for f in findings)
     if len(set(tasks_per_node)) > 1 and job.placement == "exact" and not reported:
         nbs = {n: (gpn or 0) // n for n in tasks_per_node}
@@ -2408,6 +4549,216 @@ def check_gpus_fit(job: Job, gpn: int | None, tasks_per_node: list[int], finding
                        f"{_choices(nbs.values())}, so replicas differ in layout and speed (the page's code even "
                        f"lacks SLURM_NTASKS_PER_NODE); use --nodes={len(tasks_per_node)} with the same "
                        f"--ntasks-per-node on every node")
+
+
+def check_other_program(job: Job, training: Training, findings: Findings) -> Report:
+    """A script that runs no kit trainer: its request, its placement, each launch line's processes against the
+    GPUs, Jean Zay's rules; and one note that the training itself was not checked, and why."""
+    caps, ntasks = allocation_tasks(job, findings)
+    nodes = len(caps) if caps else (job.nodes or 1)
+    shape = caps or packing(ntasks, nodes, node_cap(job))
+    if too_many_tasks(shape, findings):
+        return Report(job, training, [], findings, ["nothing planned: more tasks than the nodes run"])
+    gpn = step_gpus_per_node(job, shape, findings)
+    job.gpus_per_node = gpn
+    ntype = node_type(job)
+    t = JEAN_ZAY[ntype] if ntype else None
+    if not gpn and t and t.gpus:
+        findings.warn("no-gpus", f"the job asks for {t.label} but for no GPU: it gets none; add --gres=gpu:N, or "
+                      "use a CPU partition (-p cpu_p1, prepost) for work without GPUs")
+    elif gpn and t and gpn > t.gpus:
+        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {t.label} have {t.gpus}"
+                       + (f"; use --gres=gpu:{t.gpus} or another partition (-p gpu_p2 / -C a100 for 8 GPUs)"
+                          if t.gpus else "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
+    check_gpu_cgroups(job, shape, gpn, findings)
+    stepped = any(x.srun is not None for x in job.launches)
+    for launch in job.launches:
+        if stepped and launch.srun is None and launch.launcher in ("python", "program"):
+            continue  # a helper the batch shell runs once beside srun's steps (data preparation, pip install ...)
+        layout_of_launch(job, launch, gpn, findings)
+    per_task = (gpn // max(shape)) if gpn else 0
+    check_site(job, shape, per_task, gpn, findings)
+    check_steps_cpus(job, findings)
+    _unique(findings)
+    report = Report(job, training, [], findings)
+    programs = sorted({f"{x.launcher} {x.program}" if x.launcher not in ("python", "program") else x.program
+                       for x in job.launches}) if job.launches else []
+    why = (f"the script runs {', '.join(programs[:3])}{' ...' if len(programs) > 3 else ''}, not the kit's "
+           "bench_ddp_transformer.py or bench_stage.py" if programs else
+           "no launch line (srun, python, torchrun, deepspeed, accelerate launch) was found in the script"
+           + (f"; it sources {', '.join(job.sourced[:2])}, which is not read" if job.sourced else ""))
+    report.notes.append(f"training not checked: {why}; checked: the Slurm request, the placement, "
+                        + ("each launch line's processes against the GPUs, " if job.launches else "")
+                        + "Jean Zay's rules")
+    report.notes += [n for x in job.launches for n in x.layout.get("notes", [])]
+    return report
+
+
+def _unique(findings: Findings) -> None:
+    seen, kept = set(), []
+    for f in findings:
+        if (f.code, f.message) not in seen:
+            seen.add((f.code, f.message))
+            kept.append(f)
+    findings[:] = kept
+
+
+def layout_of_launch(job: Job, launch: "LaunchLine", gpn: int | None, findings: Findings) -> None:
+    """One launch line of a script without a kit trainer: where srun puts its tasks, then what its launcher does."""
+    step = replace(job, step_nodes=None, step_ntasks=None, step_ntasks_per_node=None, step_cpus_per_task=None,
+                   srun=launch.srun is not None, trainer=launch.program, launcher=" ".join(launch.words[:launch.script]),
+                   placement="exact", options=dict(job.options), launches=[])
+    quiet = launch.launcher in ("deepspeed", "accelerate") and launch.srun is None  # they start other nodes themselves
+    if launch.srun is not None:
+        apply_step(step, launch, findings)
+    sub = Findings()
+    agents = [1] if quiet else step_placement(step, sub, kit=False)
+    findings.extend(f for f in sub if f.code != "trainer-without-srun" or launch.launcher in ("python", "torchrun"))
+    view = gpu_view(step, 0, agents[0], gpn, findings) if gpn else []
+    launch.layout = launcher_layout(step, launch, agents, gpn, view, findings)
+
+
+def launcher_layout(job: Job, launch: "LaunchLine", agents: list[int], gpn: int | None, view: list[str],
+                    findings: Findings) -> dict:
+    """The processes a launch line starts on each node and what each sees: srun's tasks (agents), times the workers
+    each agent starts (LAUNCHER_WORKERS). Checks one agent per node, the node count the launcher expects, and one
+    GPU per process. What a launcher's own configuration file decides is not modelled, and said so in a note."""
+    kind, where = launch.launcher, launch.where
+    layout = {"agents_per_node": list(agents), "processes_per_node": list(agents), "gpus_per_process": None,
+              "notes": []}
+    if kind in ("python", "program"):
+        layout["gpus_per_process"] = len(view) if gpn else 0
+        if gpn and launch.srun is not None and max(agents) > gpn and kind == "python" and job.trainer not in TRAINERS:
+            findings.warn("processes-exceed-gpus", f"{where}: srun starts {max(agents)} tasks of {launch.program} on "
+                          f"a node with {gpn} GPU(s): tasks share GPUs (nccl refuses two ranks on one GPU: 'Duplicate "
+                          f"GPU detected'); use --ntasks-per-node <= {gpn}")
+        return layout
+    workers, expected = LAUNCHER_WORKERS[kind](job, launch, len(agents), gpn, view, layout, findings)
+    if workers is False:  # refused, or decided by a file: said already
+        layout["processes_per_node"] = []
+        return layout
+    check_agents(launch, agents, expected, findings)
+    if workers is None:
+        layout["notes"].append(f"{where}: {kind}'s processes per node are given by a shell variable: not checked")
+        layout["processes_per_node"] = []
+        return layout
+    layout.update(processes_per_node=[workers * a for a in agents], gpus_per_process=1 if gpn else 0)
+    if gpn and workers > len(view):
+        findings.error("processes-exceed-gpus", f"{where}: {kind} starts {workers} processes per node for the "
+                       f"{len(view)} GPU(s) they see: two processes on one GPU (nccl refuses it: 'Duplicate GPU "
+                       f"detected'); start {len(view)} per node")
+    elif gpn and workers < len(view) and job.trainer not in TRAINERS:
+        findings.warn("gpus-idle", f"{where}: {kind} starts {workers} process(es) per node for the {len(view)} GPU(s) "
+                      f"they see: {len(view) - workers} GPU(s) per node stay idle (one GPU per process); start "
+                      f"{len(view)}, or ask for {workers} GPU(s) per node")
+    return layout
+
+
+def check_agents(launch: "LaunchLine", agents: list[int], expected: tuple[int, int] | None,
+                 findings: Findings) -> None:
+    """One agent per node, and as many nodes as the launcher waits for (torchrun --nnodes MIN:MAX, accelerate
+    --num_machines)."""
+    kind, where, nodes = launch.launcher, launch.where, len(agents)
+    if max(agents) > 1:
+        findings.error("launcher-agents-per-node",
+                       f"{where}: srun starts {max(agents)} {kind} agents per node (one per task), each starting its "
+                       f"own workers: they race for the rendezvous and some die (measured with torchrun: "
+                       f"RendezvousConnectionError); start one per node: srun --ntasks-per-node=1 (or -n "
+                       f"{nodes}) {kind} ...")
+    if expected is None or expected[0] <= nodes <= expected[1]:
+        return
+    want = expected[0] if nodes < expected[0] else expected[1]
+    how = "srun starts it on" if launch.srun is not None else "the batch script starts it once, on"
+    findings.error("launcher-nodes-mismatch",
+                   f"{where}: {kind} expects {want} node(s) ({'--nnodes' if kind == 'torchrun' else '--num_machines'}) "
+                   f"but {how} {nodes}: " + ("the rendezvous waits for agents that never come, until its timeout"
+                                             if want > nodes else "the extra agents are refused")
+                   + (f"; start one per node with srun --ntasks-per-node=1 on --nodes={want}" if launch.srun is None
+                      else f"; make them agree (--nodes={want}, or the launcher's count = {nodes})"))
+
+
+def torchrun_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | None, view: list[str], layout: dict,
+                     findings: Findings):
+    """torchrun's --nproc_per_node (default 1; 'gpu' and 'auto': the GPUs the agent sees, torch/distributed/run.py
+    determine_local_world_size) and --nnodes (default 1:1; --standalone: 1); a --node_rank the batch shell expanded
+    once gives every agent the same rank in a static rendezvous."""
+    opts, where = launch.options, launch.where
+    workers = workers_of(launch)
+    if workers == "gpu" and not gpn:
+        findings.error("no-gpus", f"{where}: torchrun --nproc_per_node=gpu needs GPUs (torch: 'Cuda is not "
+                       "available') and the job asks for none; give a count, or ask for GPUs")
+        return False, None
+    if workers in ("gpu", "auto"):
+        workers = len(view) if gpn else node_cores(job)
+    elif workers == "cpu":
+        workers = node_cores(job)
+    rank, static = opts.get("node-rank"), (opts.get("rdzv-backend") or "static") == "static"
+    if static and rank is not None and "$" not in rank and nodes > 1:
+        findings.error("launcher-nodes-mismatch", f"{where}: every torchrun agent gets --node_rank={rank} (the batch "
+                       f"shell expanded it once, before srun), so the {nodes} agents claim the same node rank; let "
+                       "each task expand it: srun bash -c 'torchrun --node_rank $SLURM_NODEID ...', or use "
+                       "--rdzv_backend=c10d")
+    return workers, nodes_expected(opts.get("nnodes"), "standalone" in opts)
+
+
+def deepspeed_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | None, view: list[str], layout: dict,
+                      findings: Findings):
+    """deepspeed without a hostfile runs on its own node: --num_gpus, else every GPU it sees; --num_nodes > 1 is
+    refused there (deepspeed/launcher/runner.py). A hostfile, --include or another --launcher decide themselves."""
+    opts, where = launch.options, launch.where
+    if "hostfile" in opts or "include" in opts or (opts.get("launcher") or "pdsh").lower() != "pdsh":
+        given = "a hostfile" if "hostfile" in opts else "--include or --launcher"
+        layout["notes"].append(f"{where}: deepspeed with {given}: the nodes and processes it starts come from there, "
+                               "not modelled")
+        return False, None
+    count = opts.get("num-gpus") or opts.get("num-accelerators")
+    workers = int(count) if count and count.isdigit() and int(count) > 0 else (len(view) if gpn else None)
+    asked = int(opts["num-nodes"]) if (opts.get("num-nodes") or "").isdigit() else None
+    if asked and asked > 1:
+        findings.error("launcher-nodes-mismatch", f"{where}: deepspeed --num_nodes={asked} without a hostfile: it "
+                       "refuses to start ('Num nodes is >1 but no extra nodes available via hostfile'); give it a "
+                       "hostfile of the job's nodes, or launch one per node with srun and torchrun")
+    elif nodes > 1 and "no-ssh" not in opts:
+        findings.error("launcher-nodes-mismatch", f"{where}: srun starts deepspeed on {nodes} nodes without a "
+                       f"hostfile: each one runs its own single-node training (master 127.0.0.1), {nodes} separate "
+                       "jobs; give deepspeed a hostfile and start it once, or use srun with torchrun")
+    return workers, None
+
+
+def accelerate_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | None, view: list[str], layout: dict,
+                       findings: Findings):
+    """accelerate launch: --num_processes over --num_machines machines (accelerate/commands/launch.py gives each
+    machine num_processes // num_machines); without --num_processes its configuration file decides."""
+    opts, where = launch.options, launch.where
+    procs, machines = opts.get("num-processes"), opts.get("num-machines") or "1"
+    if not (procs or "").isdigit() or not machines.isdigit():
+        layout["notes"].append(f"{where}: accelerate launch without a known --num_processes"
+                               + (f" (--config_file {opts['config-file']})" if opts.get("config-file") else "")
+                               + ": its configuration file decides the processes, not modelled")
+        return False, None
+    procs, machines = int(procs), max(1, int(machines))
+    if procs % machines:
+        findings.error("launcher-nodes-mismatch", f"{where}: accelerate --num_processes={procs} is not a multiple of "
+                       f"--num_machines={machines}: it starts {procs // machines} per machine and the world size "
+                       f"never adds up; use --num_processes={machines * (len(view) or procs // machines)}")
+        return False, None
+    return max(1, procs // machines), (machines, machines)
+
+
+LAUNCHER_WORKERS = {"torchrun": torchrun_workers, "deepspeed": deepspeed_workers, "accelerate": accelerate_workers}
+
+
+def nodes_expected(nnodes: str | None, standalone: bool) -> tuple[int, int] | None:
+    """torchrun's --nnodes N or MIN:MAX (default 1:1) as (fewest, most) agents it runs with, None when unknown."""
+    if standalone or nnodes is None:
+        return 1, 1
+    m = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes)
+    return (int(m.group(1)), int(m.group(2) or m.group(1))) if m else None
+
+
+def node_cores(job: Job) -> int | None:
+    ntype = node_type(job)
+    return JEAN_ZAY[ntype].cores if ntype else None
 
 
 def check_divisible(job: Job, gpn: int | None, tasks_per_node: list[int], training: Training,
@@ -2432,10 +4783,15 @@ def check_node_usage(report: Report) -> None:
     for p in report.tasks:
         by_node.setdefault(p.node, []).append(p)
     gpn = report.job.gpus_per_node
+    seen: set[tuple] = set()
     for node, plans in sorted(by_node.items()):
+        shape = tuple(tuple(p.node_gpus) for p in plans)
+        if shape in seen:  # a node laid out like one already judged says nothing new
+            continue
+        seen.add(shape)
         owners: dict[str, list[int]] = {}
         for p in plans:
-            for g in dict.fromkeys(p.gpu_ids):  # a task's own parts may share a GPU (--devices 0,0)
+            for g in dict.fromkeys(p.node_gpus):  # a task's own parts may share a GPU (--devices 0,0)
                 owners.setdefault(g, []).append(p.rank)
         shared = {g: r for g, r in owners.items() if len(r) > 1}
         if shared:
@@ -2447,7 +4803,7 @@ def check_node_usage(report: Report) -> None:
             report.findings.error("gpu-shared",
                                   f"node {node}: GPU {g} is used by tasks {', '.join(map(str, r))} "
                                   f"({len(shared)} GPU(s) shared in all); {fix}")
-        if gpn and any(p.gpu_ids for p in plans) and not any(f.code == "gpus-not-divisible"
+        if gpn and any(p.node_gpus for p in plans) and not any(f.code == "gpus-not-divisible"
                                                              for f in report.findings):
             idle = [str(i) for i in range(gpn) if str(i) not in owners]
             if idle:
@@ -2509,8 +4865,8 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
     if t.precision == "bf16" and v100:
         findings.error("bf16-on-v100", "--precision bf16 on V100 GPUs: V100s have no bf16; use --precision fp16 "
                        "(autocast with a GradScaler)")
-    if gib is None or nb_part < 1 or replicas < 1 or t.unchecked:
-        return None  # unknown GPU, or shell variables on the line
+    if gib is None or nb_part < 1 or replicas < 1 or t.unknown:
+        return None  # unknown GPU, or arguments the line leaves unknown (shell variables)
     model = model_args(t)
     stage = t.layout == "stage"
     try:
@@ -2655,7 +5011,7 @@ class Report:
                 if shown >= 16 and len(self.tasks) > 20:
                     lines.append(f"  ... {len(self.tasks) - shown} more task(s); --json lists them all")
                     break
-                gpus = ",".join(p.gpu_ids) if p.gpu_ids else ("cpu" if p.cpu else "-")
+                gpus = ",".join(p.node_gpus) if p.node_gpus else ("cpu" if p.cpu else "-")
                 idx = ",".join(map(str, p.devices)) if p.devices else "-"
                 if t.layout == "stage" and t.pp >= 2:  # a GPU per task, holding its stage(s) of a pipeline
                     v = stages_per_rank(t.schedule, t.virtual_stages)
@@ -2668,6 +5024,19 @@ class Report:
                                        for i, c in enumerate(p.contents)) if p.nb_part else "-"
                 lines.append(f"  {p.rank:>4} {p.node:>4} {p.local_rank:>5}  {gpus:16} {idx:14} {parts}")
                 shown += 1
+        if not self.tasks and j.trainer is None and not j.unplanned:
+            lines.append(f"  {j.nodes or 1} node(s) x {j.gpus_per_node or 0} GPU(s)"
+                         + (f", {j.ntasks_per_node} task(s) per node" if j.ntasks_per_node else "")
+                         + (f", {j.cpus_per_task} CPU(s) per task" if j.cpus_per_task else ""))
+        for x in j.launches if not self.tasks else []:
+            lay = x.layout
+            if lay.get("processes_per_node"):
+                per = lay["processes_per_node"]
+                lines.append(f"  {x.where}: {x.launcher if x.launcher != 'program' else 'srun'} {x.program}: "
+                             f"{_choices(per)} process(es) per node on {len(per)} node(s)"
+                             + (f" ({_choices(lay['agents_per_node'])} agent(s) per node)" if x.launcher in (
+                                 "torchrun", "deepspeed", "accelerate") else "")
+                             + (f", {lay['gpus_per_process']} GPU(s) each" if lay.get("gpus_per_process") else ""))
         lines += [f"  note: {n}" for n in self.notes]
         if self.findings:
             lines += [f"  {f}" for f in self.findings]
@@ -2698,8 +5067,17 @@ def job_from_allocation(env: dict[str, str]) -> Job:
         gpus_per_task=num("SLURM_GPUS_PER_TASK"), gpu_bind=env.get("SLURM_GPU_BIND") or None,
         cpus_per_task=num("SLURM_CPUS_PER_TASK"), hint=env.get("SLURM_HINT") or None,
         constraint=env.get("SLURM_JOB_CONSTRAINTS") or None, partition=env.get("SLURM_JOB_PARTITION") or None,
-        time="allocated",
+        account=env.get("SLURM_JOB_ACCOUNT") or None, qos=env.get("SLURM_JOB_QOS") or None, time="allocated",
         source=f"allocation of job {env.get('SLURM_JOB_ID', '?')} ({env.get('SLURM_JOB_NODELIST', '?')})")
+    # Lmod and Environment Modules keep the loaded modules in LOADEDMODULES; the torch that runs is the installed
+    # one (its package metadata: no torch import)
+    job.modules = [m for m in env.get("LOADEDMODULES", "").split(":") if m]
+    job.torch_module = next((m for m in reversed(job.modules) if torch_version_of(m)), None)
+    try:
+        import importlib.metadata
+        job.torch_version = importlib.metadata.version("torch")
+    except Exception:  # no torch here, or broken metadata: the module line, if any, says which
+        job.torch_version = None
     return job
 
 
@@ -2809,29 +5187,15 @@ def check_in_step(launch: idr_torch.Launch, training: Training,
         if job.gpus_per_node is None and f.get("gpus_on_node") is not None:
             job.gpus_per_node = f["gpus_on_node"]
     _dedupe(findings)
-    if len(set(launch.tasks_per_node)) > 1:
-        findings.error("uneven-tasks-per-node",
-                       f"tasks per node differ ({','.join(map(str, launch.tasks_per_node))}): nodes get different "
-                       f"nb_part ({_choices(p.nb_part for p in plans)}); use --ntasks-per-node")
     report = Report(job, training, plans, findings)
-    check_node_usage(report)
-    nb = [p.nb_part for p in plans if p.nb_part]
-    cpu = all(p.cpu for p in plans)
-    if training.layout == "stage":
-        check_training(check_stage(len(plans), launch.tasks_per_node, job.gpus_per_node, training, findings, cpu),
-                       training, findings, cpu=cpu)
-        if not cpu and training.pp >= 1 and len(plans) % training.pp == 0:
-            job.gpu_mem_seen = gpus_memory_here()
-            line = check_memory(job, training, training.pp, len(plans) // training.pp,
-                                max(launch.tasks_per_node), findings)
-            report.notes += [line] if line else []
-    elif nb:
-        check_training(min(nb), training, findings, cpu=cpu)
-        if not cpu:
-            job.gpu_mem_seen = gpus_memory_here()
-            line = check_memory(job, training, min(nb), len(plans), max(launch.tasks_per_node), findings)
-            report.notes += [line] if line else []
-    note_page_indexing(report)
+    if any(not p.cpu for p in plans):
+        job.gpu_mem_seen = gpus_memory_here()
+    gpn = job.gpus_per_node
+    if gpn:
+        check_gpu_request(job, gpn, findings)
+    check_even(job, gpn, launch.tasks_per_node, findings)
+    check_kit(report, launch.tasks_per_node, gpn)
+    check_site(job, launch.tasks_per_node, (gpn // max(launch.tasks_per_node)) if gpn else 0, gpn, findings)
     code = 0 if report.ok else 1
     for c in conns:
         with c:
@@ -2845,9 +5209,9 @@ def check_in_step(launch: idr_torch.Launch, training: Training,
 # ---- II.8 Command line -----------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(  # no abbreviations, as in the trainers (I.1)
         prog="check_topology.py", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         epilog="Exit status: 0 clean (warnings allowed), 1 errors, 2 usage error or unreadable file.")
     p.add_argument("sbatch_file", nargs="?", help="an sbatch script to check before submitting it")
     plan = p.add_argument_group("planning without a cluster")
@@ -2860,24 +5224,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cpus-per-task", "-c", type=int)
     plan.add_argument("--partition", "-p")
     plan.add_argument("--constraint", "-C")
-    train = p.add_argument_group("the trainer's arguments (override an sbatch file's srun line)")
-    train.add_argument("--nlayers", type=int)
-    train.add_argument("--chunks", type=int)
-    train.add_argument("--batch-size", type=int, help="per replica (task)")
-    train.add_argument("--engine", choices=ENGINES)
-    train.add_argument("--nb-part", type=int, help="GPUs per replica (default: derived as on the page)")
-    train.add_argument("--devices", help="visible GPU index of each part, e.g. 0,0 (two parts on one GPU)")
-    train.add_argument("--layout", choices=("replica", "stage"))
-    train.add_argument("--pp", type=int, help="stage layout: tasks per pipeline")
-    train.add_argument("--schedule", choices=SCHEDULES)
-    train.add_argument("--virtual-stages", type=int)
-    mem = p.add_argument_group("will it fit? (the trainer's model arguments, its memory options, the GPU's memory)")
-    for flag in ("--d-model", "--n-head", "--d-hid", "--seq-len", "--vocab-size"):
-        mem.add_argument(flag, type=int, help=f"default {GPU_DEFAULTS[flag[2:].replace('-', '_')]} (the trainer's GPU default)")
-    mem.add_argument("--dropout", type=float)
-    mem.add_argument("--precision", choices=PRECISIONS)
-    mem.add_argument("--activation-checkpointing", action="store_true", default=None)
-    mem.add_argument("--zero", action="store_true", default=None)
+    train = p.add_argument_group("the trainer's arguments (over those of an sbatch file's trainer line; the "
+                                 "trainers' own definition: same names, ranges and defaults, docs/arguments.md)")
+    train.add_argument("--layout", choices=("replica", "stage"),
+                       help="plan bench_ddp_transformer.py (replica, the default) or bench_stage.py (stage)")
+    for a in ARGS:
+        if not a.checked:
+            continue
+        only = f" [{SCRIPTS[a.layouts[0]]}]" if len(a.layouts) == 1 else ""
+        if a.kind is None:
+            train.add_argument(a.flag, dest=a.dest, action="store_true", default=None, help=a.help_text() + only)
+        else:
+            train.add_argument(a.flag, dest=a.dest, metavar="{" + ",".join(a.choices) + "}" if a.choices else None,
+                               help=a.help_text() + only)
+    mem = p.add_argument_group("will it fit? (the GPU's memory)")
     mem.add_argument("--gpu-mem", type=float, metavar="GiB",
                      help="memory of one GPU (default: from -C/-p, or the allocation's GPUs)")
     mem.add_argument("--advise", action="store_true",
@@ -2892,7 +5252,7 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
     job = Job(nodes=args.nodes, gpus_per_node=args.gpus_per_node, constraint=args.constraint,
               partition=args.partition, gpu_mem=args.gpu_mem)
     ntype = node_type(job)
-    gpn = job.gpus_per_node or (NODE_TYPES[ntype]["gpus"] if ntype else None)
+    gpn = job.gpus_per_node or (JEAN_ZAY[ntype].gpus or None if ntype else None)
     gib, source = gpu_memory(job)
     missing = [m for m, v in (("--nodes N", job.nodes), ("--gpus-per-node N (or -C/-p of a known node)", gpn),
                               ("-C v100-16g|v100-32g|a100|h100 or --gpu-mem GiB", gib),
@@ -2912,42 +5272,57 @@ PLANNING = ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_tas
             "partition", "constraint")
 
 
+def planning_counts(args: argparse.Namespace) -> None:
+    """The planning flags' counts within what a node and Jean Zay have (COUNT_LIMITS), in one line."""
+    for name in ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_task", "cpus_per_task"):
+        flag = name.replace("_", "-")
+        value = getattr(args, name, None)
+        if value is not None and value > COUNT_LIMITS[flag]:
+            raise UsageError(f"--{flag} {value} is more than any Jean Zay node or partition has (the checker plans "
+                             f"up to {COUNT_LIMITS[flag]}); give what the nodes have")
+
+
 def override(args: argparse.Namespace, t: Training) -> Training:
-    """The trainer's arguments given on the checker's command line, over those of the sbatch file's trainer line."""
-    for name in ("nlayers", "chunks", "batch_size", "engine", "nb_part", "layout", "pp", "schedule",
-                 "virtual_stages"):
-        if below_one({name: getattr(args, name)}):
-            raise UsageError(below_one({name: getattr(args, name)}))
-        if getattr(args, name) is not None:
-            setattr(t, name, getattr(args, name))
-    for name in ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout"):
-        value = getattr(args, name)
-        if value is not None and (value < 0 if name == "dropout" else value < 1):
-            raise UsageError(f"--{name.replace('_', '-')} {value} must be at least {0 if name == 'dropout' else 1}")
-        if value is not None:
-            t.model[name] = value
-    for name in ("precision", "activation_checkpointing", "zero"):
-        if getattr(args, name) is not None:
-            setattr(t, name, getattr(args, name))
-    if args.devices is not None:
-        bad = Findings()
-        t.devices = parse_devices(args.devices, "command line", bad)
-        if bad:
-            raise UsageError(bad[0].message)
+    """The trainer's arguments given on the checker's command line, over those of the sbatch file's trainer line,
+    read with the trainers' definition (the same ranges, in the same words). They say what the line's shell
+    variables hold: nothing is left unknown, and what they do not give is the trainer's default."""
+    given = False
+    for a in ARGS:
+        raw = getattr(args, a.dest, None) if a.checked else None
+        if raw is None:
+            continue
+        value, problem = a.convert(raw)
+        if problem:
+            raise UsageError(problem)
+        if a.dest in TRAINING_FIELDS:
+            setattr(t, a.dest, value)
+        else:
+            t.model[a.dest] = value
+        given = True
+    if args.layout is not None:
+        t.layout = args.layout
+    if given:
+        t.unknown = []
     return t  # nlayers left None: check_job / task_facts take the trainer's default for GPU or CPU
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
     except SystemExit as exc:
         return 2 if exc.code else 0
+    if extras:  # what argparse would refuse, with the did-you-mean the trainers give
+        flags = re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_usage())
+        print(f"check_topology: {unknown_option(extras[0], flags, 'check_topology.py')}" if extras[0].startswith("-")
+              else f"check_topology: unexpected {extras[0]!r}: give one sbatch file at most", file=sys.stderr)
+        return 2
     training = Training()
 
     try:
         if args.gpu_mem is not None and args.gpu_mem <= 0:
             raise UsageError(f"--gpu-mem {args.gpu_mem:g} must be a positive number of GiB, e.g. --gpu-mem 32")
+        planning_counts(args)
         if args.advise:
             return advise_main(args, override(args, training))
         planning = any(getattr(args, k) is not None for k in PLANNING)
@@ -2963,7 +5338,7 @@ def main(argv: list[str] | None = None) -> int:
             if missing and not (args.gpus_per_task and args.nodes):
                 raise UsageError(f"planning needs {' and '.join(missing)} (and --ntasks-per-node), e.g. "
                                  "--nodes 3 --gpus-per-node 4 --ntasks-per-node 2")
-            bad = below_one({k: getattr(args, k) for k in PLANNING})
+            bad = below_one_message({k: getattr(args, k) for k in PLANNING})
             if bad:
                 raise UsageError(bad)
             job = Job(**{k: getattr(args, k) for k in PLANNING}, gpu_mem=args.gpu_mem)

@@ -239,8 +239,9 @@ class Launch:
             return os.cpu_count() or 1
 
     @cached_property
-    def gpu_ids(self) -> list[str]:
-        """GPUs given to this step on this node (SLURM_STEP_GPUS), else CUDA_VISIBLE_DEVICES; [] when none."""
+    def step_gpus(self) -> list[str]:
+        """The node's GPUs Slurm gave this step (SLURM_STEP_GPUS, the node's numbering), else CUDA_VISIBLE_DEVICES;
+        [] when none. Not what this process may use: that is visible_gpus."""
         name, value = self._get("SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")
         if name is None or value in ("-1", "NoDevFiles"):
             return []
@@ -326,7 +327,7 @@ class Launch:
             f"hosts         {self.nodelist} -> {', '.join(self.hostnames[:8])}"
             + (f", ... ({len(self.hostnames)})" if len(self.hostnames) > 8 else ""),
             f"tasks / node  {self.local_world_size} here; per node {self.tasks_per_node}",
-            f"GPUs          {','.join(self.gpu_ids) or 'none'}"
+            f"GPUs          {','.join(self.step_gpus) or 'none'}"
             + f"   (CUDA_VISIBLE_DEVICES={self.env.get('CUDA_VISIBLE_DEVICES', 'unset')})",
             f"CPUs / task   {self.cpus_per_task}",
             f"master        {self.master_addr}:{self.master_port}",

@@ -24,15 +24,14 @@ def skip_or_fail(reason: str, required_by: str) -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """A real Slurm cluster (slurmctld, 5 slurmd, munged) started once, stopped at the end of the session."""
+def started_cluster(variant: str = "default"):
+    """A real local Slurm cluster of `variant` (tests/local_slurm.py), for a fixture to yield; stopped after."""
     reason = unavailable_reason()
     if reason:
         skip_or_fail(reason, "KIT_REQUIRE_SLURM")
     # under /tmp and world-traversable: munged and the job users must reach the munge socket
-    root = Path(tempfile.mkdtemp(prefix="kit-slurm-"))
-    cluster = LocalCluster(root)
+    root = Path(tempfile.mkdtemp(prefix=f"kit-slurm-{variant}-"))
+    cluster = LocalCluster(root, variant)
     try:
         cluster.start()
     except SlurmUnavailable as exc:
@@ -41,6 +40,13 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real Slurm cluster (slurmctld, one slurmd per node of local_slurm.PARTITIONS, munged) started once, stopped at
+    the end of the session."""
+    yield from started_cluster()
 
 
 # ---- the matrix: every lane (one venv per torch release) records what its compat-marked tests showed ----------------

@@ -1,12 +1,13 @@
-"""One training step of the hybrid model on this rank's shard of a fixed global batch; saves the loss and
-the (DDP-averaged) gradients. Started once per task by tests/test_train.py, under srun-like variables."""
+"""One training step of the trainer's own Replica (its seed, module list, Pipe, optimizer, and the page's DDP from
+Replica.start) on this rank's shard of a fixed global batch, through Replica.train_step with the optimizer's update
+held back; saves the loss and the (DDP-averaged) gradients. Started once per task by tests/test_train.py and
+tests/test_options.py, under srun-like variables."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_ddp_transformer as bench  # noqa: E402
@@ -29,16 +30,15 @@ def main() -> None:
     bench.init_distributed(120, cuda=False)
     rpc_file = bench.init_rpc_for_pipe() if engine == "torch-pipe" else None
     rank, world = idr_torch.rank, idr_torch.size
-    torch.manual_seed(cfg.seed)
-    model = bench.PipeModel(bench.build_module_list(cfg, plan), engine, cfg.chunks,
-                            [plan.device(i) for i in range(plan.nb_part)])
-    ddp_mp_model = DistributedDataParallel(model)
+    trainer = bench.Replica(cfg, plan, engine)
+    trainer.start()
+    trainer.optimizer.step = lambda *a, **k: None  # gradients only: the step's update must not run
     x, y = global_batch(cfg, world)
     shard = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
-    loss, _ = bench.forward_backward(ddp_mp_model, x[shard], y[shard])
-    torch.save({"loss": loss, "engine": engine, "nb_part": plan.nb_part,
-                "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}, out_dir / f"rank{rank}.pt")
-    model.close()
+    stats = trainer.train_step(x[shard], y[shard])  # (loss x samples, correct, samples)
+    torch.save({"loss": stats[0] / stats[2], "engine": engine, "nb_part": plan.nb_part,
+                "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters()}}, out_dir / f"rank{rank}.pt")
+    trainer.close()
     if rpc_file is not None:
         torch.distributed.rpc.shutdown()
     torch.distributed.destroy_process_group()

@@ -1,11 +1,16 @@
 """A real Slurm cluster on this one machine, for the test suite (Debian's slurm-wlm + munge, run as root).
 
     python tests/local_slurm.py start DIR     # writes DIR/env.sh (SLURM_CONF=...), prints it
+    python tests/local_slurm.py start DIR affinity   # the CPU-binding variant (below)
     python tests/local_slurm.py stop DIR      # stops the daemons by their pid files
 
-Layout (mirrors Jean Zay's V100 partitions):
-  gpu_p13 (default)  node[1-3]  4 fake GPUs, 40 CPUs each
+Layout (mirrors Jean Zay's partitions, small):
+  gpu_p13 (default)  node[1-3]  4 fake GPUs, 40 CPUs each (features v100, v100-16g, v100-32g)
   gpu_p2             big[1-2]   8 fake GPUs, 24 CPUs each
+  gpu_p5             amd[1-2]   8 fake GPUs, 64 CPUs each (feature a100)
+  gpu_p6             hop[1-2]   4 fake GPUs, 96 CPUs each (feature h100)
+  cpu_p1             cpu[1-2]   no GPU, 40 CPUs each
+  prepost            pp1        no GPU, 48 CPUs
 
 Facts this relies on (slurm-wlm 22.05 on Debian bookworm):
 - several slurmd on one host: one NodeName line per node with its own Port, started as `slurmd -D -N name`;
@@ -13,10 +18,15 @@ Facts this relies on (slurm-wlm 22.05 on Debian bookworm):
   TaskPlugin=task/none launches steps;
 - fake GPUs must be character devices (mknod c 195 N) for Slurm to set CUDA_VISIBLE_DEVICES;
 - state persists between starts, so every start begins from a wiped state directory.
+
+The "affinity" variant binds CPUs as a production cluster does (TaskPlugin=task/affinity: each task may run only on
+the cores Slurm gave it). It needs nodes that advertise no more CPUs than this machine has, so its nodes
+(AFFINITY_PARTITIONS) have the machine's own count (2 here) and it runs without config_overrides.
 """
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,6 +38,16 @@ from pathlib import Path
 PARTITIONS = {  # name: (node names, GPUs per node, CPUs per node, features)
     "gpu_p13": (["node1", "node2", "node3"], 4, 40, "v100,v100-16g,v100-32g"),
     "gpu_p2": (["big1", "big2"], 8, 24, "v100,v100-32g"),
+    "gpu_p5": (["amd1", "amd2"], 8, 64, "a100"),
+    "gpu_p6": (["hop1", "hop2"], 4, 96, "h100"),
+    "cpu_p1": (["cpu1", "cpu2"], 0, 40, "cpu"),
+    "prepost": (["pp1"], 0, 48, "prepost"),
+}
+
+
+# the "affinity" variant's nodes: the machine's own CPUs each, and fake GPUs as on gpu_p13
+AFFINITY_PARTITIONS = {
+    "bind": (["bind1", "bind2"], 4, len(os.sched_getaffinity(0)), "v100,v100-32g"),
 }
 
 
@@ -52,10 +72,14 @@ def unavailable_reason() -> str | None:
 
 
 class LocalCluster:
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, variant: str = "default") -> None:
+        if variant not in ("default", "affinity"):
+            raise ValueError(f"variant {variant!r}: 'default' or 'affinity'")
         self.root = Path(root).resolve()
         self.conf = self.root / "etc" / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
+        self.variant = variant
+        self.partitions = AFFINITY_PARTITIONS if variant == "affinity" else PARTITIONS
 
     @property
     def env(self) -> dict[str, str]:
@@ -74,10 +98,10 @@ class LocalCluster:
             shutil.rmtree(self.root / sub, ignore_errors=True)
             (self.root / sub).mkdir(parents=True)
         self._start_munge()
-        nodes = [n for names, *_ in PARTITIONS.values() for n in names]
+        nodes = [n for names, *_ in self.partitions.values() for n in names]
         for n in nodes:
             (self.root / "state" / f"spool-{n}").mkdir()
-        for i in range(max(g for _, g, _, _ in PARTITIONS.values())):
+        for i in range(max(g for _, g, _, _ in self.partitions.values())):
             os.mknod(self.root / "dev" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(195, i))
         self._write_conf()
         self._add_hosts([n for n in nodes])
@@ -115,6 +139,9 @@ class LocalCluster:
         host = socket.gethostname()
         lines = [
             "ClusterName=kit",
+            # job ids (and so the trainers' derived MASTER_PORT, 10000 + job % 4000 * 5 + step % 5) apart from those
+            # of another test cluster running on this machine at the same time
+            f"FirstJobId={random.randrange(1, 4000) * 10}",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={free_port()}",
             "AuthType=auth/munge", "CredType=cred/munge",
@@ -128,20 +155,21 @@ class LocalCluster:
             f"SlurmdPidFile={r}/run/slurmd-%n.pid",
             f"SlurmctldLogFile={r}/log/slurmctld.log",
             f"SlurmdLogFile={r}/log/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "GresTypes=gpu", "SlurmdParameters=config_overrides",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/affinity" if self.variant == "affinity" else "TaskPlugin=task/none",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "GresTypes=gpu",
+            *(["SlurmdParameters=config_overrides"] if self.variant == "default" else []),
             "ReturnToService=2", "MpiDefault=none", "SwitchType=switch/none",
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none", "SchedulerType=sched/backfill",
             "MinJobAge=300", "KillWait=5", "InactiveLimit=0", "SlurmdTimeout=30", "MessageTimeout=20",
         ]
         gres = ["AutoDetect=off"]
-        for i, (part, (names, gpus, cpus, feats)) in enumerate(PARTITIONS.items()):
+        for i, (part, (names, gpus, cpus, feats)) in enumerate(self.partitions.items()):
             for n in names:
                 lines.append(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
-                             f"CPUs={cpus} Gres=gpu:{gpus} Features={feats} State=UNKNOWN")
-                gres.append(f"NodeName={n} Name=gpu File={r}/dev/nvidia[0-{gpus - 1}]")
+                             f"CPUs={cpus}{f' Gres=gpu:{gpus}' if gpus else ''} Features={feats} State=UNKNOWN")
+                gres += [f"NodeName={n} Name=gpu File={r}/dev/nvidia[0-{gpus - 1}]"] if gpus else []
             lines.append(f"PartitionName={part} Nodes={','.join(names)} Default={'YES' if i == 0 else 'NO'} "
                          "MaxTime=INFINITE State=UP OverSubscribe=NO")
         self.conf.write_text("\n".join(lines) + "\n")
@@ -216,9 +244,9 @@ def _alive(pid: int) -> bool:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("start", "stop"):
-        sys.exit(f"usage: {sys.argv[0]} start|stop DIR")
-    cluster = LocalCluster(sys.argv[2])
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("start", "stop"):
+        sys.exit(f"usage: {sys.argv[0]} start|stop DIR [default|affinity]")
+    cluster = LocalCluster(sys.argv[2], *sys.argv[3:])
     if sys.argv[1] == "start":
         try:
             cluster.start()

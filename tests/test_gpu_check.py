@@ -38,3 +38,27 @@ def test_one_gpu_rows_put_every_part_on_gpu_0():
     import gpu_check as g
     assert g.one_gpu_devices(1, 1) is None and g.one_gpu_devices(2, 2) is None
     assert g.one_gpu_devices(2, 1) == "0,0" and g.one_gpu_devices(4, 1) == "0,0,0,0"
+
+
+def test_tasks_sharing_a_gpu_each_get_a_host_id():
+    """--tasks 2 on a one-GPU machine: both tasks on GPU 0, each with its own NCCL_HOSTID (nccl then treats them as
+    two hosts instead of refusing two ranks on one GPU), torchrun's variables so idr_torch reads them even in srun."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check as g
+    assert g.one_gpu_devices(1, 1, tasks=2) == "0" and g.one_gpu_devices(2, 1, tasks=2) == "0,0"
+    assert g.one_gpu_devices(1, 4, tasks=2) is None and g.one_gpu_devices(2, 4, tasks=2) is None
+    shared = g.task_envs(2, shared_gpu=True)
+    assert [e["NCCL_HOSTID"] for e in shared] == ["gpu-check-task-0", "gpu-check-task-1"]
+    assert [e["RANK"] for e in shared] == ["0", "1"] and {e["WORLD_SIZE"] for e in shared} == {"2"}
+    assert len({e["MASTER_PORT"] for e in shared}) == 1 and all(e["TORCHELASTIC_RUN_ID"] for e in shared)
+    own = g.task_envs(2, shared_gpu=False)
+    assert not any("NCCL_HOSTID" in e for e in own)
+    import idr_torch
+    launches = [idr_torch.Launch(dict(e, SLURM_PROCID="0", SLURM_STEP_ID="0", SLURM_NTASKS="1")) for e in shared]
+    assert [(x.launcher, x.rank, x.local_rank, x.size) for x in launches] == [("torchrun", 0, 0, 2),
+                                                                             ("torchrun", 1, 1, 2)]
+
+
+def test_tasks_must_be_positive():
+    r = gpu_check("--tasks", "0")
+    assert r.returncode == 2 and "--tasks 0 must be at least 1" in r.stderr, r.stderr

@@ -61,7 +61,7 @@ def test_srun_three_nodes_two_tasks(procid, localid, nodeid):
     assert launch.nodelist == "node[1-3]"
     assert launch.master_addr == "node1"
     assert launch.cpus_per_task == 10
-    assert launch.gpu_ids == ["0", "1", "2", "3"]
+    assert launch.step_gpus == ["0", "1", "2", "3"]
     assert launch.job_id == "4242"
     assert launch.is_master == (procid == 0)
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 
@@ -92,13 +93,15 @@ def test_checker_plan_is_the_trainer_plan(tmp_path):
                        str(out)], envs(), timeout=240)
     assert all(r.returncode == 0 for r in train), train[0].stderr[-3000:]
     [record] = [json.loads(line) for line in out.read_text().splitlines()]
-    checker = [(t["gpu_ids"], t["nb_part"]) for t in report["tasks"]]
+    checker = [(t["node_gpus"], t["nb_part"]) for t in report["tasks"]]
     assert checker == [(["0", "1"], 2), (["2", "3"], 2)] * 2  # the page's split of 4 GPUs between 2 tasks
-    assert [(p["gpu_ids"], p["nb_part"]) for p in record["plans"]] == checker
+    assert [(p["node_gpus"], p["nb_part"]) for p in record["plans"]] == checker
 
 
 def test_the_lane_runs_the_release_it_claims():
-    # the matrix's rows are keyed by this: a lane whose venv holds another torch would mislabel its row
+    """The matrix's rows are keyed by the release a venv claims: a lane's folder name (torch-<release>-<hash>), or
+    the Makefile's pin for the project's own .venv. A venv holding another torch would mislabel its row."""
     lane = sys.prefix.rsplit("/torch-", 1)
-    if len(lane) == 2:
-        assert lane[1].split("-")[0] == RELEASE, (sys.prefix, torch.__version__)
+    claimed = (lane[1].split("-")[0] if len(lane) == 2 else
+               re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1))
+    assert RELEASE == claimed, (sys.prefix, torch.__version__, claimed)

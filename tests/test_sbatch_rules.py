@@ -40,6 +40,36 @@ ROWS = [
     ("#BSUB -n 2", True, "pbs-directive", 2),  # ... and #BSUB (-n 2 at 1 per node: 2 nodes)
     ("#PBS -l nodes=2\n#SBATCH --ignore-pbs", True, None, 1),  # unless --ignore-pbs, even after them
     ("#SBATCH -N 2 --tasks-per-node=1", True, None, 2),  # an alias the man page doesn't list
+    ("#SLURM -N 2", True, "slurm-directive", 2),  # sbatch applies it: 'Change from #SLURM to #SBATCH'
+    # option values sbatch checks itself (slurm_opt.c, proc_args.c, tres_bind.c): refused, or read otherwise
+    ("#SBATCH -N 1 --hint=nomultithreads", False, "bad-value", None),  # 'unrecognized --hint argument'
+    ("#SBATCH -N 1 --hint=NoMultiThread,compute_bound", True, None, 1),
+    ("#SBATCH -N 1 --mem=abc", False, "bad-value", None),
+    ("#SBATCH -N 1 --mem=1G --mem-per-cpu=1G", False, "option-conflict", None),
+    ("#SBATCH -N 1 --cpus-per-gpu=10", False, "option-conflict", None),  # with BASE's -c 10
+    ("#SBATCH -N 1 --gpu-bind=foo", False, "bad-value", None),
+    ("#SBATCH -N 1 --gpu-bind=map_gpu:0,x", False, "bad-value", None),
+    ("#SBATCH -N 1 --gpu-bind=closes", True, "value-misread", 1),  # closest, by its first letter
+    ("#SBATCH -N 1 --gpu-bind=per_task:x", True, "value-misread", 1),
+    ("#SBATCH -N 1 --distribution=cycle", False, "bad-value", None),
+    ("#SBATCH -N 1 --distribution=cyclic:block,pack", True, None, 1),
+    ("#SBATCH -N 1 --distribution=plane=2", True, None, 1),
+    ("#SBATCH -N 1 --distribution=arbitrary", False, "bad-value", None),  # needs a node list
+    ("#SBATCH -N 1 --exclusive=foo", False, "bad-value", None),
+    ("#SBATCH -N 1 --exclusive=user", True, None, 1),
+    ("#SBATCH -N 1 --signal=USR3@300", False, "bad-value", None),
+    ("#SBATCH -N 1 --signal=USR1@70000", False, "bad-value", None),
+    ("#SBATCH -N 1 --signal=B:SIGUSR1@300", True, None, 1),
+    ("#SBATCH -N 1 --mail-type=ENDS", False, "bad-value", None),
+    ("#SBATCH -N 1 --mail-type=END,FAILS", True, "value-misread", 1),  # FAILS dropped
+    ("#SBATCH -N 1 --open-mode=x", False, "bad-value", None),
+    ("#SBATCH -N 1 --open-mode=apend", True, "value-misread", 1),
+    ("#SBATCH -N 1 --gres-flags=enforce", False, "bad-value", None),
+    ("#SBATCH -N 1 --kill-on-invalid-dep=maybe", False, "bad-value", None),
+    ("#SBATCH -N 1 --time=1:2:3:4", False, "bad-time", None),
+    ("#SBATCH -N 1 --ntasks-per-gpu=1", False, "option-conflict", None),  # with BASE's --ntasks-per-node
+    ("#SBATCH -N 2 --gpus=1", False, "gpu-request-conflict", None),  # '--gpus < -N'
+    ("#SBATCH -N 1 --ntasks-per-core=1", True, "hint-ignored", 1),  # with BASE's --hint: the hint is dropped
 ]
 
 
@@ -70,14 +100,17 @@ def test_sbatch_and_checker_read_the_header_alike(slurm_cluster, tmp_path, lines
 def test_srun_options_on_the_trainer_line(slurm_cluster, tmp_path):
     env = clean_env(**slurm_cluster.env)
     for srun, ok, code in (("--bogus", False, "unknown-option"), ("--ntasks-per-nod=1", True, "option-prefix"),
-                           ("--pack-group=0", True, None), ("--exact", True, None)):
+                           ("--pack-group=0", True, None), ("--exact", True, None),
+                           ("--cpu-bind=foo", False, "bad-value"), ("--cpu-bind=cores,verbose", True, None),
+                           ("--distribution=cycle", False, "bad-value")):
         r = subprocess.run(["srun", "-N1", *srun.split(), "hostname"], env=env, capture_output=True, text=True,
                            timeout=60)
         assert (r.returncode == 0) == ok, (srun, r.stderr)
         check = checker_json(f"#!/bin/bash\n{BASE}\n#SBATCH -N 1\nsrun {srun} python bench_ddp_transformer.py "
                              "--nlayers 8 --chunks 8\n", tmp_path)
         codes = {f["code"] for f in check["findings"]}
-        assert (code in codes) if code else not codes & {"unknown-option", "ambiguous-option"}, (srun, codes)
+        assert (code in codes) if code else not codes & {"unknown-option", "ambiguous-option", "bad-value"}, (srun,
+                                                                                                             codes)
 
 
 GPU_PAIRS = [  # (GPU options, sbatch accepts, the step runs, the checker's code)

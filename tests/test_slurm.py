@@ -1,4 +1,4 @@
-"""Against a real Slurm cluster (slurmctld + 5 slurmd + munged on this machine, see local_slurm.py).
+"""Against a real Slurm cluster (slurmctld, a slurmd per node, munged on this machine, see local_slurm.py).
 
 The fake GPUs are character devices, so Slurm sets CUDA_VISIBLE_DEVICES as on a real node; they are not
 CUDA, so training runs on the CPU fallback (gloo) with the layout the GPUs would have had.
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import idr_torch
 from launch import ROOT, clean_env
 
 pytestmark = pytest.mark.slurm
@@ -79,7 +80,7 @@ def test_page_three_node_template_runs(slurm_cluster, workdir):
     [record] = [json.loads(line) for line in (workdir / "hybrid_results.jsonl").read_text().splitlines()]
     assert (record["world_size"], record["nodes"], record["nb_part"], record["tasks_per_node"]) == (6, 3, 2, 2)
     assert record["replica_divergence"] == 0.0
-    assert [p["gpu_ids"] for p in record["plans"]] == [["0", "1"], ["2", "3"]] * 3
+    assert [p["node_gpus"] for p in record["plans"]] == [["0", "1"], ["2", "3"]] * 3
     assert [p["node"] for p in record["plans"]] == [0, 0, 1, 1, 2, 2]
     # the checkpoint: one file, written by rank 0 only (once per epoch, atomically)
     assert sorted(p.name for p in workdir.glob("*hybrid_3x4*.pt*")) == ["hybrid_3x4.pt", "hybrid_3x4.pt.resume.pt"]
@@ -93,7 +94,7 @@ def test_page_eight_gpu_template_preflight_in_allocation(slurm_cluster, workdir)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout[r.stdout.index("{"):])
     assert report["ok"] and len(report["tasks"]) == 8
-    assert [t["gpu_ids"] for t in report["tasks"]] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]] * 2
+    assert [t["node_gpus"] for t in report["tasks"]] == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]] * 2
     assert [t["devices"] for t in report["tasks"]] == [[0, 1], [2, 3], [4, 5], [6, 7]] * 2
 
 
@@ -103,7 +104,7 @@ def test_gpus_per_task_binding(slurm_cluster, workdir):
     r = run([*common, "python", "check_topology.py", "--nlayers", "4", "--json"], slurm_cluster, workdir)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout[r.stdout.index("{"):])
-    assert [t["gpu_ids"] for t in report["tasks"]] == [["0", "1"], ["2", "3"]] * 2  # what Slurm showed each task
+    assert [t["node_gpus"] for t in report["tasks"]] == [["0", "1"], ["2", "3"]] * 2  # what Slurm showed each task
     assert [t["devices"] for t in report["tasks"]] == [[0, 1]] * 4  # from visible GPU 0, never past 2
     assert all(t["bound"] for t in report["tasks"])
     assert any("the page's own indexing" in n for n in report["notes"])
@@ -112,18 +113,20 @@ def test_gpus_per_task_binding(slurm_cluster, workdir):
             timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     [record] = [json.loads(line) for line in (workdir / "bound.jsonl").read_text().splitlines()]
-    trainer = [(p["gpu_ids"], p["nb_part"]) for p in record["plans"]]
-    assert trainer == [(t["gpu_ids"], t["nb_part"]) for t in report["tasks"]]
+    trainer = [(p["node_gpus"], p["nb_part"]) for p in record["plans"]]
+    assert trainer == [(t["node_gpus"], t["nb_part"]) for t in report["tasks"]]
 
 
 # ---- uneven tasks per node ---------------------------------------------------------------------------------------
 def test_uneven_tasks_per_node_reported(slurm_cluster, workdir):
-    r = run(["srun", "-N3", "-n5", "--gres=gpu:4", "python", "check_topology.py", "--nlayers", "8"], slurm_cluster,
-            workdir)
+    """The step's own placement (task 0 prints SLURM_STEP_TASKS_PER_NODE) is the one the report names."""
+    r = run(["srun", "-N3", "-n5", "--gres=gpu:4", "bash", "-c", 'if [ "$SLURM_PROCID" = 0 ]; then echo '
+             '"STEP $SLURM_STEP_TASKS_PER_NODE"; fi; exec python check_topology.py --nlayers 8'], slurm_cluster, workdir)
     assert r.returncode == 1
     assert "uneven-tasks-per-node" in r.stdout
     m = re.search(r"tasks per node differ \(([\d,]+)\)", r.stdout)
-    assert m and sorted(map(int, m.group(1).split(","))) != [2, 2, 1][:0] and sum(map(int, m.group(1).split(","))) == 5
+    step = idr_torch.parse_tasks_per_node(re.search(r"^STEP (\S+)$", r.stdout, re.M).group(1))
+    assert m and list(map(int, m.group(1).split(","))) == step and sum(step) == 5 and len(set(step)) > 1, r.stdout
     script = workdir / "uneven.slurm"
     script.write_text("#!/bin/bash\n#SBATCH -N 3\n#SBATCH -n 5\n#SBATCH --gres=gpu:4\n"
                       "srun python bench_ddp_transformer.py --nlayers 8\n")
@@ -208,7 +211,7 @@ def test_sweep_runs_every_count_as_a_step_of_one_job(slurm_cluster, workdir):
 def test_cluster_stops_without_leftovers(tmp_path_factory):
     """A second cluster, started and stopped here: its daemons are gone and /etc/hosts is as before."""
     from conftest import skip_or_fail
-    from local_slurm import LocalCluster, unavailable_reason
+    from local_slurm import PARTITIONS, LocalCluster, unavailable_reason
     if unavailable_reason():
         skip_or_fail(unavailable_reason(), "KIT_REQUIRE_SLURM")
     import tempfile
@@ -216,7 +219,7 @@ def test_cluster_stops_without_leftovers(tmp_path_factory):
     cluster = LocalCluster(tempfile.mkdtemp(prefix="kit-slurm-2-"))
     cluster.start()
     pids = [int(p.read_text().split()[0]) for p in cluster._pidfiles()]
-    assert len(pids) == 6  # slurmctld + 5 slurmd
+    assert len(pids) == 1 + sum(len(names) for names, *_ in PARTITIONS.values())  # slurmctld + one slurmd a node
     cluster.stop()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]

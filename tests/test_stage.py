@@ -4,6 +4,7 @@ checkpoints (which move between the two layouts)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -104,26 +105,42 @@ def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chun
     torch.testing.assert_close(mean_loss.float(), loss.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--pp", "3"], "--pp 3 must divide the world size (4 tasks)"),
-    (["--pp", "2", "--schedule", "1f1b", "--chunks", "1"], "--schedule 1f1b needs --chunks >= the 2 stages"),
-    (["--pp", "1"], "--pp 1: a pipeline needs at least 2 stages"),
+@pytest.mark.parametrize("args,code,needle", [  # 2: a value the argument definition refuses (argparse's status)
+    (["--pp", "3"], 1, "--pp 3 must divide the world size (4 tasks)"),
+    (["--pp", "2", "--schedule", "1f1b", "--chunks", "1"], 1, "--schedule 1f1b needs --chunks >= the 2 stages"),
+    (["--pp", "1"], 2, "--pp 1 must be an integer from 2 to 1024 (a pipeline needs at least 2 stages"),
 ])
-def test_stage_layout_bad_requests(tmp_path, args, needle):
+def test_stage_layout_bad_requests(tmp_path, args, code, needle):
     runs("gpipe")
     results = bench([*args, "--cache-dir", str(tmp_path)], ntasks=4, timeout=90, script=STAGE)
-    assert all(r.returncode == 1 for r in results)
+    assert all(r.returncode == code for r in results)
     assert needle in results[0].stderr and "Traceback" not in results[0].stderr
 
 
 def test_watchdog_ends_a_blocked_task():
     # a rank blocked in a receive waits in C++ with the GIL released, out of reach of signal handlers; a blocked
-    # Event.wait is the same from Python's side: the watchdog thread must end the process with one line
+    # Event.wait is the same from Python's side: the watchdog thread must end the process with one line, then the
+    # stacks of its threads (where it was blocked)
     code = (f"import sys, threading; sys.path.insert(0, {str(ROOT)!r}); import bench_stage; "
-            "bench_stage.Watchdog(2, 3); threading.Event().wait(120)")
+            "bench_stage.Watchdog(2, 3, 'bench_stage', grace=1); threading.Event().wait(120)")
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert r.returncode == 1 and time.monotonic() - t0 < 60, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bench_stage: error: task 3 made no progress for"), r.stderr
-    assert "(--timeout 2)" in lines[0]
+    assert lines[0].startswith("bench_stage: error: task 3 made no progress for"), r.stderr
+    assert "(--timeout 2)" in lines[0] and "Traceback" not in r.stderr
+    stacks = "\n".join(lines[1:])
+    assert "most recent call first" in stacks and 'File "<string>", line 1 in <module>' in stacks, r.stderr
+
+
+def test_both_layouts_have_every_member_of_the_trainer_protocol():
+    """train() and the functions it calls take a bench.Trainer: the page's Replica or the stage layout's Stages."""
+    import inspect
+    import bench_ddp_transformer as b
+    import bench_stage
+    members = sorted(set(b.Trainer.__annotations__) | {m for m in vars(b.Trainer) if not m.startswith("_")})
+    assert len(members) >= 20
+    for cls in (b.Replica, bench_stage.Stages):
+        source = inspect.getsource(cls)
+        missing = [m for m in members if not re.search(rf"(self\.{m}\b[^=]*=|def {m}\(|^    {m} = )", source, re.M)]
+        assert not missing, f"{cls.__name__} lacks {missing}"

@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""The report of slurm/first_run.slurm: one table from the runs of one job, and the first error of each failed run
+with its probable cause.
+
+    python slurm/first_run_report.py first_run_<job> > first_run_<job>/report.md
+
+Reads FOLDER/status.tsv (step, exit status, tasks), FOLDER/runs.jsonl (the trainers' records), FOLDER/gpu_check.jsonl
+and FOLDER/<step>.log. Exit status 1 when a run failed (a GPU benchmark that found no GPU is 'not run', not failed).
+No torch import: it runs anywhere, on the job's folder copied to a laptop too.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+# The first line that matches a pattern is the run's error; the cause is what it most likely means. Ordered: a
+# task that lost contact is usually not the cause, so the patterns of the cause come first.
+CAUSES = [
+    (r"Duplicate GPU detected", "two tasks of one node on one GPU in one nccl communicator (nccl's init.cc refuses "
+     "it): a collective whose GPU was not named; the kit's tests say its own cannot: please report it"),
+    (r"CUDA out of memory|OutOfMemoryError", "the model does not fit in this layout's GPUs: more GPUs per replica "
+     "(fewer tasks per node), --activation-checkpointing, --precision bf16 (fp16 on V100) or a smaller --batch-size; "
+     "python check_topology.py <the same options> says by how much"),
+    (r"has no bf16|bf16.*not supported", "this GPU has no bf16 (V100): use --precision fp16"),
+    (r"Watchdog caught collective operation timeout|made no progress for", "a task hung or died and the others "
+     "waited --timeout: each task's last collectives are in nccl_trace_<job>/ (torchfrtrace), its Python stacks in "
+     "this log"),
+    (r"no CUDA GPU here|Found no NVIDIA driver|CUDA driver version is insufficient|no CUDA-capable device",
+     "no usable GPU: not a GPU node, no --gres, or a torch without CUDA (module load pytorch-gpu/...)"),
+    (r"EADDRINUSE|[Aa]ddress already in use", "the rendezvous port is taken (another step of the node uses it): "
+     "export MASTER_PORT=<a free port>"),
+    (r"ncclSystemError|ncclRemoteError|remote process exited|NET/IB|unhandled system error|NCCL WARN",
+     "nccl could not reach a peer: a task died (its own error is the cause) or the network failed; rerun with "
+     "NCCL_DEBUG=INFO"),
+    (r"No module named|is missing", "a package is missing next to the module's torch (the line says which)"),
+    (r"^\s*ERROR\s+\S+:", "the pre-flight check refused this layout: the line says why and what to change"),
+    (r"lost contact with the others", "another task died first: its own error, in the same log, is the cause"),
+    (r"error:|Error|Traceback", "see the log"),
+]
+
+
+def first_error(log: str) -> tuple[str, str] | None:
+    """(the first line of the most telling error, its probable cause), or None for a clean log."""
+    lines = log.splitlines()
+    for pattern, cause in CAUSES:
+        for line in lines:
+            if re.search(pattern, line):
+                return line.strip()[:240], cause
+    return None
+
+
+def read_status(folder: Path) -> list[tuple[str, int, int]]:
+    rows = []
+    for line in (folder / "status.tsv").read_text().splitlines():
+        name, code, tasks = line.split("\t")
+        rows.append((name, int(code), int(tasks)))
+    return rows
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def record_of(name: str, runs: list[dict]) -> dict | None:
+    """The trainer's record of a step named replica_<tasks>x<nb_part> or stage."""
+    for r in runs:
+        if name == "stage" and r.get("layout") == "stage":
+            return r
+        if name == f"replica_{r.get('tasks_per_node')}x{r.get('nb_part')}" and r.get("layout") == "replica":
+            return r
+    return None
+
+
+def gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def run_rows(folder: Path, status: list[tuple[str, int, int]]) -> tuple[list[str], int]:
+    runs, failed, lines = records(folder / "runs.jsonl"), 0, []
+    for name, code, tasks in status:
+        if name in ("gpu_check", "memory_gpu"):
+            continue
+        log = (folder / f"{name}.log").read_text(errors="replace") if (folder / f"{name}.log").exists() else ""
+        rec = record_of(name, runs) if not name.startswith("check_") else None
+        if code == 0:
+            if name.startswith("check_"):
+                lines.append(f"| {name} | {tasks} | pre-flight check | - | - | - | ok |")
+                continue
+            peak, est = (rec or {}).get("peak_gpu_mem_gb"), (rec or {}).get("estimated_mem_gb")
+            speed = (rec or {}).get("samples_per_s")
+            ratio = f" ({peak / est:.2f} of it)" if peak and est else ""
+            layout = (f"{rec['replicas']} replica(s) x nb_part {rec['nb_part']}" if rec and rec["layout"] == "replica"
+                      else f"pp {rec['pp']} x {rec['replicas']} pipeline(s)" if rec else "?")
+            lines.append(f"| {name} | {tasks} | {layout} | {'-' if speed is None else f'{speed:.1f}'} | "
+                         f"{gib(peak)} | {gib(est)}{ratio} | ok |")
+            continue
+        failed += 1
+        error = first_error(log)
+        said = f"exit {code}: `{error[0]}`; probable cause: {error[1]}" if error else f"exit {code}, no error line"
+        lines.append(f"| {name} | {tasks} | - | - | - | - | failed: {said} |")
+    return lines, failed
+
+
+def benchmark_lines(folder: Path, status: list[tuple[str, int, int]]) -> tuple[list[str], int]:
+    out, failed = [], 0
+    codes = {name: code for name, code, _ in status}
+    for name in ("gpu_check", "memory_gpu"):
+        if name not in codes:
+            continue
+        log = (folder / f"{name}.log").read_text(errors="replace") if (folder / f"{name}.log").exists() else ""
+        code = codes[name]
+        if code == 2 and re.search(r"no CUDA GPU here", log):
+            out.append(f"- `{name}`: not run: no CUDA GPU in this job (`{log.strip().splitlines()[-1][:200]}`)")
+            continue
+        table = [line for line in log.splitlines() if line.startswith("|") or line.startswith("worst")]
+        if name == "gpu_check" and code == 1 and table:  # it ran; a row below the goal or failed says so itself
+            out.append(f"- `{name}` ran; its rows:")
+        elif code != 0:
+            failed += 1
+            error = first_error(log)
+            out.append(f"- `{name}` failed (exit {code})" + (f": `{error[0]}`; probable cause: {error[1]}"
+                                                             if error else ""))
+        else:
+            out.append(f"- `{name}`:")
+        out += ["", *table, ""] if table else []
+    return out, failed
+
+
+def report(folder: Path) -> tuple[str, int]:
+    status = read_status(folder)
+    rows, failed = run_rows(folder, status)
+    bench, bench_failed = benchmark_lines(folder, status)
+    text = [f"# First run: {folder.name}", "",
+            "| run | tasks | layout | samples/s | peak GPU GiB | estimate GiB | |",
+            "| --- | ---: | --- | ---: | ---: | ---: | --- |", *rows, "", *bench]
+    failed += bench_failed
+    text += ["", f"{len(status)} step(s), {failed} failed" + ("" if failed else ": every run ran")]
+    return "\n".join(text) + "\n", failed
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not (Path(argv[0]) / "status.tsv").is_file():
+        print("usage: first_run_report.py FOLDER (the first_run_<job> folder holding status.tsv)", file=sys.stderr)
+        return 2
+    text, failed = report(Path(argv[0]))
+    sys.stdout.write(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
