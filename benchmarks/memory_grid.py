@@ -75,7 +75,11 @@ STAGE = [
     dict(pp=2, replicas=1, schedule="loopedbfs", chunks=4, precision="fp32", ckpt=True, zero=False, dropout=0.0),
 ]
 STAGE_MODEL = dict(d_model=64, n_head=4, d_hid=256, seq_len=128, batch_size=8, nlayers=8, vocab_size=500)
-QUICK = [dict(FULL[1], seq_len=64), dict(FULL[3], seq_len=64)]
+# The small grid `make test` keeps (tests/test_memory.py, about a minute on 2 cores): nb_part 2 and 4 at 4 chunks,
+# dropout on, each precision and checkpointing once per row (a Latin square over VARIANTS); the test of the untraced
+# step adds dropout off at nb_part 1. Eight chunks, long sequences and the rest: the whole grid, by hand.
+QUICK = [(dict(FULL[1], seq_len=64), "fp32", False), (dict(FULL[1], seq_len=64), "bf16", True),
+         (dict(FULL[3], seq_len=64, chunks=4), "bf16", False), (dict(FULL[3], seq_len=64, chunks=4), "fp32", True)]
 QUICK_STAGE = [STAGE[0]]
 
 
@@ -547,9 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     replica, stage = [], []
     if not args.stage:
-        for row in QUICK if args.quick else FULL:
-            for precision, ckpt in VARIANTS:
-                replica += compare_replica(row, precision, ckpt)
+        for row, precision, ckpt in QUICK if args.quick else [(r, p, c) for r in FULL for p, c in VARIANTS]:
+            replica += compare_replica(row, precision, ckpt)
         print(replica_table(replica))
         real = [r for r in replica if "real_ratio" in r]
         buckets = [r for r in replica if "buckets_measured" in r]

@@ -43,7 +43,7 @@ def _one_process_group():
 
 # ---- the estimate against what a real step holds ---------------------------------------------------------------
 
-QUICK = [(row, p, c) for row in (memory_grid.QUICK if HAS_MEMTRACKER else []) for p, c in memory_grid.VARIANTS]
+QUICK = memory_grid.QUICK if HAS_MEMTRACKER else []
 
 
 @needs_memtracker
