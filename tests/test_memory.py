@@ -289,6 +289,10 @@ def test_shell_variables_on_the_line_are_not_judged(tmp_path):
     report = ct.check_job(job, training)
     assert training.unchecked and not [n for n in report.notes if "memory" in n], report.text()
     assert not [x for x in report.findings if x.code == "does-not-fit"]
+    # the stage layout likewise: a size the line leaves unknown, or the pipelines themselves, judge no fit
+    for var in ('--chunks "$C"', '--pp "$PP"', '$EXTRA'):
+        out = plan_text(STAGE_TEMPLATE.read_text().replace("--chunks 8", var), "--gpu-mem", "4")
+        assert "does-not-fit" not in out and "memory estimate" not in out and "unchecked-argument" in out, out
 
 
 SPLIT = ["--nodes", "3", "--gpus-per-node", "4", "--ntasks-per-node", "4", "-C", "v100-16g", "--nlayers", "16",
