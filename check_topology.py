@@ -4134,7 +4134,7 @@ def find_launches(ran: Ran, name: str, findings: Findings, srun: list | None = N
 # What the checker judges from which arguments, in which layout: said when a shell variable hides some of them.
 DEPENDS = (("the fit in memory", ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size",
                                  "dropout", "chunks", "batch_size", "precision", "activation_checkpointing", "zero",
-                                 "nb_part", "devices"), ("replica",)),
+                                 "nb_part", "devices", "pp", "schedule", "virtual_stages"), ("replica", "stage")),
            ("the pipeline bubble", ("chunks", "batch_size", "nb_part"), ("replica",)),
            ("--chunks dividing --batch-size", ("chunks", "batch_size"), ("replica", "stage")),
            ("the layers per part", ("nlayers", "nb_part", "pp", "schedule", "virtual_stages"), ("replica", "stage")),
