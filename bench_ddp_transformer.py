@@ -445,7 +445,7 @@ class Trainer(Protocol):
     stats_device: torch.device | str  # where the loss and accuracy live: the same part on every task
     total_params: int
     memory: str  # the start-up line of the memory estimate
-    estimate_gib: float | None  # the estimated peak of one GPU (None where the layout has no model)
+    estimate_gib: float  # the estimated peak of one GPU (check_topology.worst_part: both layouts are modelled)
 
     def describe(self) -> str: ...
     def load(self, model_state: dict, optimizer_state: dict | None) -> None: ...
@@ -721,16 +721,20 @@ def training_of(cfg: argparse.Namespace, **layout: object) -> check_topology.Tra
 
 
 def memory_estimate(cfg: argparse.Namespace, plan: check_topology.TaskPlan, nb_part: int, replicas: int,
-                    **layout: object) -> tuple[str, float | None]:
-    """check_topology's estimate of one GPU's peak for this run: the start-up line and the GiB (None where the
-    layout has no model), against this GPU's memory where there is one."""
+                    **layout: object) -> tuple[str, float]:
+    """check_topology's estimate of one GPU's peak for this run (nb_part is --pp in the stage layout): the start-up
+    line and the worst GPU's GiB, with the kernels this device runs (check_topology.ARCHS), against its memory."""
     t = training_of(cfg, **layout)
     model = check_topology.model_args(t)
-    gpu_gib = None if plan.cpu else torch.cuda.get_device_properties(plan.device(0)).total_memory / check_topology.GIB
-    line = check_topology.memory_line(model, t, nb_part, replicas, gpu_gib)
-    if t.layout != "replica":
-        return line, None
-    return line, max(m.total for m in check_topology.estimate_memory(model, t, nb_part, replicas)) / check_topology.GIB
+    if plan.cpu:
+        arch, gpu_gib = "cpu", None
+    else:
+        device = plan.device(0)
+        arch = "sm80" if torch.cuda.get_device_capability(device) >= (8, 0) else "sm70"
+        gpu_gib = torch.cuda.get_device_properties(device).total_memory / check_topology.GIB
+    release = check_topology.version_tuple(torch.__version__)
+    line = check_topology.memory_line(model, t, nb_part, replicas, gpu_gib, arch, release)
+    return line, check_topology.worst_part(model, t, nb_part, replicas, arch, release).total / check_topology.GIB
 
 
 def check_precision(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> None:

@@ -113,7 +113,9 @@ class Stages:  # a bench.Trainer
         # --zero: each stage's AdamW sharded over that stage's replicas (the dp group)
         self.optimizers = {s: bench.make_optimizer(m.parameters(), cfg.lr, cfg.zero, self.mesh["dp"].get_group())
                            for s, m in self.modules.items()}
-        self.memory, self.estimate_gib = bench.memory_estimate(cfg, plan, self.nb_part, self.dp_size, layout="stage")
+        self.memory, self.estimate_gib = bench.memory_estimate(cfg, plan, self.pp, self.dp_size, layout="stage",
+                                                               pp=self.pp, schedule=cfg.schedule,
+                                                               virtual_stages=cfg.virtual_stages)
         self.schedule = None
 
     def describe(self) -> str:

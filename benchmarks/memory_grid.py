@@ -1,113 +1,291 @@
 #!/usr/bin/env python
-"""The memory estimate (check_topology.estimate_memory) against the bytes a real training step holds, on the CPU.
+"""The memory estimate (check_topology.estimate_memory, estimate_stage_memory) against the peak torch's own tracker
+measures in a real training step, on the CPU.
 
-    python benchmarks/memory_grid.py            # the whole grid: one row per (configuration, part), worst case last
-    python benchmarks/memory_grid.py --quick    # the small grid tests/test_memory.py enforces
+    python benchmarks/memory_grid.py              # the whole grid: every part of every configuration, both layouts
+    python benchmarks/memory_grid.py --quick      # the small grid tests/test_memory.py enforces
+    python benchmarks/memory_grid.py --replica    # or --stage: one layout only
 
-For each configuration it builds the trainer's model (bench_ddp_transformer.build_module_list), splits it into
-nb_part parts on the CPU, runs it through the trainer's Pipe (fairscale's GPipe, checkpoint="never") inside
-DistributedDataParallel (gloo, one process), and takes one AdamW step. It counts, per part:
-  - saved: every tensor autograd saves for the backward pass during the part's forward
-    (torch.autograd.graph.saved_tensors_hooks, entered in the part's own forward since the Pipe runs parts in
-    worker threads), deduplicated by storage so views are real bytes once, parameters left out (counted as
-    params); the peak of what is alive at once. With activation checkpointing, plus the working set of one
-    Layer recomputed on one micro-batch (what autograd saves when that Layer runs without checkpointing);
-  - params, grads (after backward), optimizer (AdamW's state tensors after the step).
-Precision and checkpointing are the trainer's own --precision (bench_ddp_transformer.Part: autocast in each
-part's forward) and --activation-checkpointing (CheckpointedLayer: non-reentrant torch.utils.checkpoint). The terms not counted here (DDP buckets, the allowance, the logits)
-are stated formulas, compared on a GPU by benchmarks/memory_gpu.py.
+The page's layout: for each configuration the trainer's own Replica (bench_ddp_transformer.py: its model, its
+--precision, --activation-checkpointing and --dropout, fairscale's Pipe, DDP over gloo, its AdamW) runs three
+training steps; the third is measured by torch.distributed._tools.mem_tracker.MemTracker, entered in each part's
+forward (fairscale runs the parts in worker threads, and a dispatch mode is per thread) and around the step. Every
+part is on the one CPU here, so each tensor is put on the part a GPU would hold it on: the op that made it runs in
+that part (autograd nodes are tagged with their part as the forward builds them); a part's output moves to the next
+part when it is made, a gradient to the previous part when it leaves, as the GPU copies them. DDP's buckets are kept
+apart (a comm hook names them) and compared with the estimate's buckets term. The tracker's own total is
+cross-checked against glibc's malloc count (mallinfo2) sampled after every op. The stage layout: bench_stage.py's
+Stages in one process per task (torchrun), MemTracker around its third step, the receive buffers named.
+
+A TorchDispatchMode changes the program it watches: autograd adds gradients out of place under one, and at::linear
+its bias (both in place otherwise; see check_topology I.4), so the estimate is compared here with traced=True. For
+one part per replica the step is also measured without any dispatch mode (mallinfo2 sampled from autograd's hooks
+and module hooks only: a lower bound of the peak) and compared with the estimate the checker uses.
+Targets: every part within 10 % of the measured peak, and never more than 5 % below it. MemTracker exists from torch
+2.5 on (not in the 2.3.1 or 2.4.1 lanes; present in 2.6.0, 2.8.0, 2.13.0, 2.14.1).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import ctypes
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 import bench_ddp_transformer as bench  # noqa: E402
 import check_topology  # noqa: E402
 
-TOLERANCE = 0.10
-# The model grid: each row a d_model, n_head, d_hid, seq_len, batch, chunks, nb_part; every row runs in every
-# precision x checkpointing combination. Small enough for a 2-core CPU, wide enough that each term dominates
-# somewhere (long sequences: activations; wide d_hid: the FFN; many chunks: the micro-batch bookkeeping).
+HIGH, LOW = 0.10, 0.05  # every part within 10 % of the measured peak, never more than 5 % below it
+MODEL = dict(nlayers=4, vocab_size=500)
+# The replica grid: each row a model, a batch split and a dropout; every row runs in fp32 and bf16, with and without
+# activation checkpointing. Sequences up to 512, one to eight heads, a wide FFN, one to eight micro-batches.
 FULL = [
-    dict(d_model=64, n_head=4, d_hid=128, seq_len=64, batch_size=16, chunks=1, nb_part=1),
-    dict(d_model=64, n_head=4, d_hid=128, seq_len=64, batch_size=16, chunks=4, nb_part=2),
-    dict(d_model=128, n_head=8, d_hid=512, seq_len=32, batch_size=8, chunks=2, nb_part=2),
-    dict(d_model=96, n_head=2, d_hid=384, seq_len=128, batch_size=8, chunks=8, nb_part=4),
-    dict(d_model=256, n_head=8, d_hid=256, seq_len=16, batch_size=32, chunks=4, nb_part=2),
-    dict(d_model=32, n_head=1, d_hid=64, seq_len=256, batch_size=4, chunks=2, nb_part=4),
+    dict(d_model=64, n_head=4, d_hid=128, seq_len=64, batch_size=16, chunks=1, nb_part=1, dropout=0.0),
+    dict(d_model=64, n_head=4, d_hid=128, seq_len=128, batch_size=16, chunks=4, nb_part=2, dropout=0.1),
+    dict(d_model=128, n_head=8, d_hid=512, seq_len=32, batch_size=8, chunks=2, nb_part=2, dropout=0.0),
+    dict(d_model=96, n_head=2, d_hid=384, seq_len=128, batch_size=8, chunks=8, nb_part=4, dropout=0.1),
+    dict(d_model=256, n_head=8, d_hid=256, seq_len=16, batch_size=32, chunks=4, nb_part=2, dropout=0.0),
+    dict(d_model=32, n_head=1, d_hid=64, seq_len=512, batch_size=4, chunks=2, nb_part=4, dropout=0.0),
+    dict(d_model=64, n_head=4, d_hid=256, seq_len=512, batch_size=4, chunks=1, nb_part=1, dropout=0.1),
+    dict(d_model=128, n_head=4, d_hid=512, seq_len=256, batch_size=8, chunks=4, nb_part=2, dropout=0.1),
 ]
-QUICK = [FULL[1], FULL[3]]
 VARIANTS = [(p, c) for p in ("fp32", "bf16") for c in (False, True)]
+# The stage grid: pipelines of --pp tasks, --replicas of them, a schedule, its options.
+STAGE = [
+    dict(pp=2, replicas=1, schedule="1f1b", chunks=4, precision="fp32", ckpt=False, zero=False, dropout=0.0),
+    dict(pp=2, replicas=1, schedule="gpipe", chunks=4, precision="bf16", ckpt=True, zero=False, dropout=0.1),
+    dict(pp=2, replicas=1, schedule="interleaved1f1b", chunks=4, precision="fp32", ckpt=False, zero=False,
+         dropout=0.1),
+    dict(pp=2, replicas=2, schedule="1f1b", chunks=4, precision="bf16", ckpt=False, zero=True, dropout=0.0),
+    dict(pp=4, replicas=1, schedule="1f1b", chunks=8, precision="fp32", ckpt=True, zero=False, dropout=0.0),
+    dict(pp=2, replicas=1, schedule="loopedbfs", chunks=4, precision="fp32", ckpt=True, zero=False, dropout=0.0),
+]
+STAGE_MODEL = dict(d_model=64, n_head=4, d_hid=256, seq_len=128, batch_size=8, nlayers=8, vocab_size=500)
+# The small grid `make test` keeps (tests/test_memory.py, about a minute on 2 cores): nb_part 2 and 4 at 4 chunks,
+# dropout on, each precision and checkpointing once per row (a Latin square over VARIANTS); the test of the untraced
+# step adds dropout off at nb_part 1. Eight chunks, long sequences and the rest: the whole grid, by hand.
+QUICK = [(dict(FULL[1], seq_len=64), "fp32", False), (dict(FULL[1], seq_len=64), "bf16", True),
+         (dict(FULL[3], seq_len=64, chunks=4), "bf16", False), (dict(FULL[3], seq_len=64, chunks=4), "fp32", True)]
+QUICK_STAGE = [STAGE[0]]
 
 
-class Counter:
-    """Bytes autograd keeps alive for backward, per storage (a storage saved twice counts once)."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-    def __init__(self, skip: set[int]) -> None:
-        self.skip, self.alive, self.current, self.peak = skip, {}, 0, 0
-        self.lock = threading.Lock()
 
-    def pack(self, t: torch.Tensor) -> object:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.skip or storage.nbytes() == 0:
-            return t
-        with self.lock:
-            n, refs = self.alive.get(key, (storage.nbytes(), 0))
-            if refs == 0:
-                self.current += n
-                self.peak = max(self.peak, self.current)
-            self.alive[key] = (n, refs + 1)
-        return Saved(t, key, self)
+_LIBC = ctypes.CDLL(None)
+_LIBC.mallinfo2.restype = _MallInfo2
 
-    def release(self, key: int) -> None:
-        with self.lock:
-            n, refs = self.alive[key]
-            if refs == 1:
-                del self.alive[key]
-                self.current -= n
-            else:
-                self.alive[key] = (n, refs - 1)
+
+def malloc_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not taken back (the CPU allocator of torch is malloc)."""
+    m = _LIBC.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+class PartTracker(MemTracker):
+    """MemTracker, each tensor charged to one part (parts 0..n-1; part n: DDP's buckets), the peak kept per part
+    with what was alive then by kind, where in the step it fell, and malloc's count after every op."""
+
+    def __init__(self, nparts: int) -> None:
+        super().__init__()
+        self.nparts, self.local, self.forced = nparts, threading.local(), None
+        self.by_kind = [dict() for _ in range(nparts + 1)]
+        self.now, self.peak = [0] * (nparts + 1), [0] * (nparts + 1)
+        self.peak_kinds, self.peak_at = [{} for _ in range(nparts + 1)], [""] * (nparts + 1)
+        self.all_now = self.all_peak = self.malloc_start = self.malloc_peak = 0
+
+    def part_now(self) -> int:
+        """The part of a tensor being made: named at registration, else the part of the running autograd node,
+        else of the forward running in this thread; else the main thread's: the loss, on the last part."""
+        if self.forced is not None:
+            return self.forced
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return node.metadata.get("part", self.nparts - 1)
+        part = getattr(self.local, "part", None)
+        return self.nparts - 1 if part is None else part
+
+    def phase(self) -> str:
+        return ("optimizer step" if self._in_opt else "backward" if torch._C._current_graph_task_id() != -1
+                else "forward")
+
+    def _charge(self, winfo, part: int, sign: int) -> None:
+        n = winfo.mem_consumed * sign
+        kinds = self.by_kind[part]
+        kinds[winfo.reftype] = kinds.get(winfo.reftype, 0) + n
+        self.now[part] += n
+        self.all_now += n
+        self.all_peak = max(self.all_peak, self.all_now)
+        if self.now[part] > self.peak[part]:
+            self.peak[part], self.peak_kinds[part], self.peak_at[part] = self.now[part], dict(kinds), self.phase()
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:  # noqa: ANN001
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if u_type == _UpdateType.ADD:
+            winfo.part = self.part_now()
+            self._charge(winfo, winfo.part, 1)
+        elif u_type == _UpdateType.DEL:
+            self._charge(winfo, winfo.part, -1)
+        elif u_type == _UpdateType.REF:
+            kinds = self.by_kind[winfo.part]
+            kinds[old_reftype] -= winfo.mem_consumed
+            kinds[winfo.reftype] = kinds.get(winfo.reftype, 0) + winfo.mem_consumed
+        elif u_type == _UpdateType.SIZE:
+            self._charge(winfo, winfo.part, 0)
+            self.now[winfo.part] += winfo.mem_consumed - old_mem_consumed
+
+    def move(self, tensor: torch.Tensor, part: int) -> None:
+        """The tensor's storage now on `part` (a GPU would have copied it there and freed it here)."""
+        winfo, _ = self._WINFO.get(tensor.untyped_storage(), (None, None))
+        if winfo is not None and winfo.part != part:
+            self._charge(winfo, winfo.part, -1)
+            winfo.part = part
+            self._charge(winfo, part, 1)
+
+    def enter_part(self, tensor: torch.Tensor, part: int) -> None:
+        self.local.part = part
+        self.__enter__()
+        self.move(tensor, part)
+
+    def leave_part(self, output: torch.Tensor, part: int, last: int) -> None:
+        """Tag the part's autograd nodes; its output goes to the next part (a GPU copies it there and frees it)."""
+        tag_graph(output.grad_fn, part, self.move)
+        if part < last:
+            self.move(output, part + 1)
+        self.__exit__(None, None, None)
+        self.local.part = None
+
+    def register(self, part: int, tensors, kind) -> None:  # noqa: ANN001
+        """Tensors made before the step (weights, AdamW's state, buckets, inputs), on `part`."""
+        self.forced = part
+        try:
+            for t in tensors:
+                self._update_and_maybe_create_winfos(t, kind)
+        finally:
+            self.forced = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.malloc_peak = max(self.malloc_peak, malloc_in_use())
+        return out
+
+    def _pre_fw_hook(self, module, inputs) -> None:  # noqa: ANN001
+        """MemTracker refuses a top-level module called again in one step (its per-module statistics), which is
+        what a pipelining schedule does with each stage; only this tracker's own counts are used here."""
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:
+            del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+
+def tag_graph(root, part: int, on_leave=None) -> None:  # noqa: ANN001
+    """Tag every autograd node a part's forward made (those not tagged yet) with the part; `on_leave(grad, part)`
+    for each gradient a node sends to another part, when it sends it."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or "part" in node.metadata:
+            continue
+        node.metadata["part"] = part
+        edges = [i for i, (n, _) in enumerate(node.next_functions)
+                 if n is not None and n.metadata.get("part", part) != part]
+        if edges and on_leave is not None:
+            def leave(grad_inputs, grad_outputs, node=node, edges=edges):  # noqa: ANN001
+                for i in edges:
+                    if grad_inputs[i] is not None:
+                        on_leave(grad_inputs[i], node.next_functions[i][0].metadata["part"])
+            node.register_hook(leave)
+        stack.extend(n for n, _ in node.next_functions)
+
+
+def watch_parts(parts, box: list) -> None:  # noqa: ANN001
+    """Hooks on each part of the Pipe: the watcher in box[0] (a PartTracker or a Sampler) is entered in the part's
+    forward, which fairscale runs in a worker thread, and shown the part's input and output."""
+    last = len(parts) - 1
+
+    def before(module, args, k):  # noqa: ANN001
+        if box[0] is not None:
+            box[0].enter_part(args[0], k)
+
+    def after(module, args, output, k):  # noqa: ANN001
+        if box[0] is not None:
+            box[0].leave_part(output, k, last)
+
+    for k, part in enumerate(parts):
+        part.register_forward_pre_hook(lambda m, a, k=k: before(m, a, k))
+        part.register_forward_hook(lambda m, a, o, k=k: after(m, a, o, k))
+
+
+class Sampler:
+    """No dispatch mode: malloc's count sampled whenever autograd saves a tensor (saved_tensors_hooks), after every
+    module's forward, and before and after every autograd node of the backward; the optimizer's step counted at its
+    end. A lower bound of the true peak (what happens between two samples is missed), of the program as it runs."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = 0
+        self.local = threading.local()
+
+    def sample(self, *_: object) -> None:
+        self.peak = max(self.peak, malloc_in_use())
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.sample()
+        return t
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda s: s.t if isinstance(s, Saved) else s)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def __enter__(self) -> "Sampler":
+        self.handles = [torch.nn.modules.module.register_module_forward_hook(lambda *a: self.sample()),
+                        register_optimizer_step_post_hook(lambda *a: self.sample())]
+        self.main = self.hooks()
+        self.main.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.main.__exit__(*exc)
+        for h in self.handles:
+            h.remove()
+
+    def enter_part(self, tensor: torch.Tensor, part: int) -> None:
+        self.local.hooks = self.hooks()
+        self.local.hooks.__enter__()
+
+    def leave_part(self, output: torch.Tensor, part: int, last: int) -> None:
+        stack, seen = [output.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            node.register_prehook(self.sample)
+            node.register_hook(self.sample)
+            stack.extend(n for n, _ in node.next_functions)
+        self.local.hooks.__exit__(None, None, None)
 
 
-class Saved:
-    __slots__ = ("t", "key", "counter")
-
-    def __init__(self, t: torch.Tensor, key: int, counter: Counter) -> None:
-        self.t, self.key, self.counter = t, key, counter
-
-    def __del__(self) -> None:
-        self.counter.release(self.key)
-
-
-class Counted(nn.Module):
-    """One part under the part's counter, in whichever thread the Pipe runs it (the part enters its own autocast)."""
-
-    def __init__(self, part: nn.Sequential, counter: Counter) -> None:
-        super().__init__()
-        self.part, self.counter = part, counter
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.counter.hooks():
-            return self.part(x)
+def trainer_args(row: dict, precision: str, ckpt: bool) -> list[str]:
+    keys = ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "batch_size", "chunks", "dropout")
+    conf = dict(MODEL, **row)
+    return ([f"--{k.replace('_', '-')}={conf[k]}" for k in keys] + ["--precision", precision]
+            + (["--activation-checkpointing"] if ckpt else []))
 
 
 def init_process_group() -> None:
@@ -115,102 +293,290 @@ def init_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+def replica_step(row: dict, precision: str, ckpt: bool, traced: bool = True) -> dict:
+    """The trainer's Replica, two steps, then the third measured: per part by MemTracker (traced), or the whole
+    process by malloc without a dispatch mode (traced=False). In a thread of its own, as the trainer's main thread
+    is new: autograd runs ready nodes by sequence number, counted per thread, so a thread that built many graphs
+    before would change the order of the backward (fairscale's Copy nodes, built in this thread, run last only
+    while its count is below its workers')."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(_replica_step(row, precision, ckpt, traced))
+        except BaseException as exc:  # noqa: BLE001  raised again in the caller's thread
+            result.append(exc)
+    thread = threading.Thread(target=run, name="replica-step")
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
-def recompute_bytes(layer: nn.Module, micro: int, cfg: SimpleNamespace, precision: str, skip: set[int]) -> int:
-    """What one checkpointed Layer saves on one micro-batch when it runs without checkpointing (its
-    recomputation): the plain TransformerEncoderLayer forward of the same module."""
-    counter = Counter(skip)
-    x = torch.randn(micro, cfg.seq_len, cfg.d_model, requires_grad=True)
-    with counter.hooks(), bench.autocast(precision, "cpu"):
-        y = nn.TransformerEncoderLayer.forward(layer, x)
-    del y
-    return counter.peak
-
-
-def count_step(row: dict, precision: str, ckpt: bool, nlayers: int = 4, vocab: int = 500) -> list[dict]:
-    """One real training step of the trainer's model; per part: params, grads, optimizer, saved (bytes)."""
+def _replica_step(row: dict, precision: str, ckpt: bool, traced: bool) -> dict:
     init_process_group()
-    torch.manual_seed(0)
-    cfg = SimpleNamespace(vocab_size=vocab, nlayers=nlayers, dropout=0.0, precision=precision,
-                          activation_checkpointing=ckpt, **row)  # the trainer's own options
-    plan = check_topology.plan_task(0, 0, 0, 1, [], None, nlayers, row["nb_part"])
-    parts = bench.build_module_list(cfg, plan)
-    skip = {p.untyped_storage().data_ptr() for part in parts for p in part.parameters()}
-    counters = [Counter(skip) for _ in parts]
-    model = bench.PipeModel([Counted(p, c) for p, c in zip(parts, counters)], "fairscale",
-                            row["chunks"], ["cpu"] * len(parts))
+    cfg = bench.parse_args(trainer_args(row, precision, ckpt) + ["--nb-part", str(row["nb_part"])])
+    bench.resolve(cfg, cuda=False)
+    plan = check_topology.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, cfg.nb_part)
+    replica = bench.Replica(cfg, plan, "fairscale")
+    parts, box, buckets = list(replica.model), [None], {}
+    watch_parts(parts, box)
     try:
-        ddp = DistributedDataParallel(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, vocab, (row["batch_size"], row["seq_len"]))
-        y = torch.randint(0, 2, (row["batch_size"],))
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-        micro = row["batch_size"] // row["chunks"]
-        out = []
-        for part, counter in zip(parts, counters):
-            ps = list(part.parameters())
-            layers = [m for m in part if isinstance(m, bench.CheckpointedLayer)]
-            recompute = max((recompute_bytes(m, micro, cfg, precision, skip) for m in layers), default=0)
-            state = [v for p in ps for v in optimizer.state[p].values() if v.numel() == p.numel()]
-            out.append(dict(params=nbytes(ps), grads=nbytes([p.grad for p in ps if p.grad is not None]),
-                            optimizer=nbytes(state), saved=counter.peak + recompute))
-        return out
+        replica.start()
+
+        def hook(state, bucket):  # noqa: ANN001  DDP's own allreduce, naming the buckets it runs on
+            buckets[bucket.buffer().untyped_storage().data_ptr()] = bucket.buffer()
+            return allreduce_hook(None, bucket)
+        replica.ddp_mp_model.register_comm_hook(None, hook)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
+        y = torch.randint(0, 2, (cfg.batch_size,), generator=g)
+        for _ in range(2):
+            buckets.clear()  # DDP rebuilds them after its first step: keep the ones in use
+            replica.train_step(x, y)
+        replica.optimizer.zero_grad(set_to_none=True)  # the step's own first act, before counting starts
+        return (_traced_step if traced else _sampled_step)(replica, parts, box, buckets, x, y)
     finally:
-        model.close()
+        replica.close()
 
 
-def compare(row: dict, precision: str, ckpt: bool, nlayers: int = 4, vocab: int = 500) -> list[dict]:
-    """Counted against estimated, per part: the terms both have (params, grads, optimizer, saved)."""
-    counted = count_step(row, precision, ckpt, nlayers, vocab)
-    model = dict(nlayers=nlayers, vocab_size=vocab, dropout=0.0,
-                 **{k: v for k, v in row.items() if k != "nb_part"})
+def _traced_step(replica, parts, box, buckets, x, y) -> dict:  # noqa: ANN001
+    tr = PartTracker(len(parts))
+    state = replica.optimizer.state
+    for k, part in enumerate(parts):
+        tr.register(k, list(part.parameters()), _MemRefType.PARAM)
+        tr.register(k, list(part.buffers()), _MemRefType.BUFFER)
+        tr.register(k, [v for p in part.parameters() for v in state[p].values() if torch.is_tensor(v)],
+                    _MemRefType.OPT)
+    tr.register(0, [x], _MemRefType.OTH)
+    tr.register(len(parts) - 1, [y], _MemRefType.OTH)
+    tr.register(len(parts), list(buckets.values()), _MemRefType.OTH)
+    box[0] = tr
+    with tr:
+        start = tr.all_now
+        tr.malloc_start = tr.malloc_peak = malloc_in_use()
+        replica.train_step(x, y)
+    box[0] = None
+    kinds = lambda k: {str(getattr(r, "value", r)): n for r, n in tr.peak_kinds[k].items() if n}  # noqa: E731
+    return dict(parts=[dict(peak=tr.peak[k], at=tr.peak_at[k], kinds=kinds(k)) for k in range(len(parts))],
+                buckets=tr.now[len(parts)], tracker_rise=tr.all_peak - start,
+                malloc_rise=tr.malloc_peak - tr.malloc_start)
+
+
+def _sampled_step(replica, parts, box, buckets, x, y) -> dict:  # noqa: ANN001
+    sampler = Sampler()
+    state = replica.optimizer.state
+    held = [t for part in parts for t in [*part.parameters(), *part.buffers()]]
+    held += [v for p in replica.model.parameters() for v in state[p].values() if torch.is_tensor(v)]
+    held += [x, y, *buckets.values()]
+    static = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
+    box[0] = sampler
+    with sampler:
+        sampler.start = sampler.peak = malloc_in_use()
+        replica.train_step(x, y)
+    box[0] = None
+    return dict(peak=static + sampler.peak - sampler.start, static=static)
+
+
+def estimate(row: dict, precision: str, ckpt: bool, traced: bool) -> list[check_topology.PartMemory]:
+    model = dict(MODEL, **{k: v for k, v in row.items() if k != "nb_part"})
     t = check_topology.Training(precision=precision, activation_checkpointing=ckpt)
-    est = check_topology.estimate_memory(model, t, row["nb_part"], 1)
+    return check_topology.estimate_memory(model, t, row["nb_part"], 1, arch="cpu", traced=traced)
+
+
+def compare_replica(row: dict, precision: str, ckpt: bool) -> list[dict]:
+    """Per part: the estimate (traced, without DDP's buckets) against MemTracker's peak."""
+    got = replica_step(row, precision, ckpt)
+    est = estimate(row, precision, ckpt, traced=True)
+    out = []
+    for e, m in zip(est, got["parts"]):
+        out.append(dict(row, precision=precision, ckpt=ckpt, part=e.part, measured=m["peak"], measured_at=m["at"],
+                        kinds=m["kinds"], estimated=e.peak - e.buckets, estimated_at=e.peak_at,
+                        ratio=(e.peak - e.buckets) / m["peak"]))
+    out[0].update(buckets_measured=got["buckets"], buckets_estimated=sum(e.buckets for e in est),
+                  malloc_vs_tracker=got["malloc_rise"] / max(1, got["tracker_rise"]))
+    if row["nb_part"] == 1:  # also the program as it runs, against the checker's own estimate
+        real = replica_step(row, precision, ckpt, traced=False)
+        e = estimate(row, precision, ckpt, traced=False)[0]
+        out[0].update(real_measured=real["peak"], real_estimated=e.peak, real_ratio=e.peak / real["peak"])
+    return out
+
+
+# ---- the stage layout: bench_stage.py's Stages, one process per task ---------------------------------------------
+
+def stage_args(conf: dict) -> list[str]:
+    row = dict(STAGE_MODEL, chunks=conf["chunks"], dropout=conf["dropout"])
+    return (trainer_args(row, conf["precision"], conf["ckpt"]) + ["--pp", str(conf["pp"]), "--schedule",
+            conf["schedule"], "--virtual-stages", "2"] + (["--zero"] if conf["zero"] else []))
+
+
+def _recv_buffers(schedule) -> list[torch.Tensor]:  # noqa: ANN001
+    """The receive buffers pipelining keeps for activations and gradients (PipelineStage.args_recv_info,
+    grad_recv_info: private, torch 2.13)."""
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    out = []
+    for stage in filter(None, stages):
+        for infos in [*getattr(stage, "args_recv_info", {}).values(), *getattr(stage, "grad_recv_info", {}).values()]:
+            out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+    return out
+
+
+def stage_worker(conf: dict, out: Path) -> None:
+    """One task of the stage layout under torchrun: two steps, then the third under MemTracker."""
+    import bench_stage
+    import idr_torch
+    cfg = bench_stage.parse_args(stage_args(conf))
+    bench.resolve(cfg, cuda=False)
+    plan = bench_stage.make_plan(cfg, cuda=False)
+    bench.init_distributed(120, cuda=False)
+    trainer = bench_stage.Stages(cfg, plan, cuda=False)
+    trainer.start()
+    buckets: dict = {}
+
+    def hook(state, bucket):  # noqa: ANN001
+        buckets[bucket.buffer().untyped_storage().data_ptr()] = bucket.buffer()
+        return allreduce_hook(trainer.mesh["dp"].get_group(), bucket)
+    for ddp in trainer.ddp.values():
+        ddp.register_comm_hook(None, hook)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
+    y = torch.randint(0, 2, (cfg.batch_size,), generator=g)
+    for _ in range(2):
+        buckets.clear()
+        trainer.train_step(x, y)
+    for opt in trainer.optimizers.values():  # the step's own first act, before counting starts
+        opt.zero_grad(set_to_none=True)
+    tr = PartTracker(1)
+    for s, module in trainer.modules.items():
+        state = getattr(trainer.optimizers[s], "optim", trainer.optimizers[s]).state  # ZeRO: this rank's share
+        tr.register(0, list(module.parameters()), _MemRefType.PARAM)
+        tr.register(0, list(module.buffers()), _MemRefType.BUFFER)
+        tr.register(0, [v for p in module.parameters() for v in state.get(p, {}).values() if torch.is_tensor(v)],
+                    _MemRefType.OPT)
+    tr.register(0, ([x] if trainer.first_holder else []) + ([y] if trainer.last_holder else []), _MemRefType.OTH)
+    tr.register(0, _recv_buffers(trainer.schedule), _MemRefType.OTH)
+    tr.register(1, list(buckets.values()), _MemRefType.OTH)
+    with tr:
+        trainer.train_step(x, y)
+    kinds = {str(getattr(r, "value", r)): n for r, n in tr.peak_kinds[0].items() if n}
+    Path(out, f"rank{idr_torch.rank}.json").write_text(json.dumps(dict(
+        pp_rank=trainer.pp_rank, peak=tr.peak[0], at=tr.peak_at[0], kinds=kinds, buckets=tr.now[1])))
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def compare_stage(conf: dict) -> list[dict]:
+    """Each task of the first pipeline: the estimate (traced, without buckets) against MemTracker's peak."""
+    tasks = conf["pp"] * conf["replicas"]
+    with tempfile.TemporaryDirectory() as out:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE",
+                                                                         "LOCAL_RANK", "TORCHELASTIC"))}
+        env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={tasks}", __file__, "--stage-worker", json.dumps(conf), "--out",
+                               out], env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"stage grid {conf}: the tasks failed:\n{done.stderr[-3000:]}")
+        got = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(tasks)]
+    model = dict(STAGE_MODEL, chunks=conf["chunks"], dropout=conf["dropout"])
+    t = check_topology.Training(layout="stage", pp=conf["pp"], schedule=conf["schedule"], virtual_stages=2,
+                                precision=conf["precision"], activation_checkpointing=conf["ckpt"], zero=conf["zero"])
+    est = check_topology.estimate_stage_memory(model, t, conf["pp"], conf["replicas"], arch="cpu", traced=True,
+                                               torch=check_topology.version_tuple(torch.__version__))
     rows = []
-    for c, e in zip(counted, est):
-        e_terms = dict(params=e.params, grads=e.grads, optimizer=e.optimizer, saved=e.saved)
-        total_c, total_e = sum(c.values()), sum(e_terms.values())
-        rows.append(dict(row, precision=precision, ckpt=ckpt, part=e.part, counted=c, estimated=e_terms,
-                         error=total_e / total_c - 1, saved_error=e.saved / c["saved"] - 1))
+    for m in got[:conf["pp"]]:
+        e = est[m["pp_rank"]]
+        rows.append(dict(conf, part=e.part, measured=m["peak"], measured_at=m["at"], kinds=m["kinds"],
+                         estimated=e.peak - e.buckets, estimated_at=e.peak_at, ratio=(e.peak - e.buckets) / m["peak"],
+                         buckets_measured=m["buckets"], buckets_estimated=e.buckets))
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    head = ("| d_model | n_head | d_hid | seq_len | batch | chunks | nb_part | precision | ckpt | part | counted KiB "
-            "| estimated KiB | error | saved counted KiB | saved estimated KiB | saved error |")
-    lines = [head, "|" + " ---: |" * 7 + " --- | --- |" + " ---: |" * 7]
+# ---- the tables ----------------------------------------------------------------------------------------------------
+
+def mib(n: float) -> str:
+    return f"{n / 2 ** 20:.2f}"
+
+
+def replica_table(rows: list[dict]) -> str:
+    lines = ["| d_model | n_head | d_hid | seq | batch | chunks | nb_part | dropout | precision | ckpt | part | "
+             "measured MiB | estimated MiB | estimate / measured | peak measured at | estimated at |",
+             "|" + " ---: |" * 8 + " --- | --- |" + " ---: |" * 4 + " --- | --- |"]
     for r in rows:
-        c, e = r["counted"], r["estimated"]
         lines.append(f"| {r['d_model']} | {r['n_head']} | {r['d_hid']} | {r['seq_len']} | {r['batch_size']} | "
-                     f"{r['chunks']} | {r['nb_part']} | {r['precision']} | {'yes' if r['ckpt'] else 'no'} | "
-                     f"{r['part']} | {sum(c.values()) / 1024:.1f} | {sum(e.values()) / 1024:.1f} | "
-                     f"{r['error']:+.2%} | {c['saved'] / 1024:.1f} | {e['saved'] / 1024:.1f} | "
-                     f"{r['saved_error']:+.2%} |")
+                     f"{r['chunks']} | {r['nb_part']} | {r['dropout']} | {r['precision']} | "
+                     f"{'yes' if r['ckpt'] else 'no'} | {r['part']} | {mib(r['measured'])} | {mib(r['estimated'])} | "
+                     f"{r['ratio']:.3f} | {r['measured_at']} | {r['estimated_at']} |")
     return "\n".join(lines)
+
+
+def stage_table(rows: list[dict]) -> str:
+    lines = ["| pp | pipelines | schedule | chunks | precision | ckpt | zero | dropout | task | measured MiB | "
+             "estimated MiB | estimate / measured | peak estimated at |",
+             "| ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        lines.append(f"| {r['pp']} | {r['replicas']} | {r['schedule']} | {r['chunks']} | {r['precision']} | "
+                     f"{'yes' if r['ckpt'] else 'no'} | {'yes' if r['zero'] else 'no'} | {r['dropout']} | "
+                     f"{r['part']} | "
+                     f"{mib(r['measured'])} | {mib(r['estimated'])} | {r['ratio']:.3f} | {r['estimated_at']} |")
+    return "\n".join(lines)
+
+
+def within(rows: list[dict]) -> bool:
+    return all(1 - LOW <= r["ratio"] <= 1 + HIGH for r in rows)
+
+
+def summary(rows: list[dict], what: str) -> str:
+    if not rows:
+        return f"{what}: nothing run"
+    lo, hi = min(rows, key=lambda r: r["ratio"]), max(rows, key=lambda r: r["ratio"])
+    return (f"{what}: {len(rows)} parts, estimate / measured from {lo['ratio']:.3f} to {hi['ratio']:.3f} "
+            f"(target {1 - LOW:.2f} to {1 + HIGH:.2f}): {'met' if within(rows) else 'NOT met'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the small grid the test enforces")
+    p.add_argument("--quick", action="store_true", help="the small grid tests/test_memory.py enforces")
+    p.add_argument("--replica", action="store_true", help="the replica layout only")
+    p.add_argument("--stage", action="store_true", help="the stage layout only")
+    p.add_argument("--json", help="also write every row here")
+    p.add_argument("--stage-worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    rows = [r for row, (prec, ck) in itertools.product(QUICK if args.quick else FULL, VARIANTS)
-            for r in compare(row, prec, ck)]
-    print(table(rows))
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    worst_saved = max(rows, key=lambda r: abs(r["saved_error"]))
-    print(f"\n{len(rows)} parts in {len(rows) and len({(r['d_model'], r['seq_len'], r['batch_size'], r['chunks'], r['nb_part'], r['precision'], r['ckpt']) for r in rows})} "
-          f"configurations; worst total error {worst['error']:+.2%} (d_model {worst['d_model']}, "
-          f"{worst['precision']}, ckpt {worst['ckpt']}, part {worst['part']}); worst saved-activation error "
-          f"{worst_saved['saved_error']:+.2%} (d_model {worst_saved['d_model']}, {worst_saved['precision']}, "
-          f"ckpt {worst_saved['ckpt']}, part {worst_saved['part']}); tolerance {TOLERANCE:.0%}")
-    dist.destroy_process_group()
-    return 0 if abs(worst["error"]) <= TOLERANCE and abs(worst_saved["saved_error"]) <= TOLERANCE else 1
+    torch.set_num_threads(1)
+    if args.stage_worker:
+        stage_worker(json.loads(args.stage_worker), Path(args.out))
+        return 0
+    start = time.monotonic()
+    replica, stage = [], []
+    if not args.stage:
+        for row, precision, ckpt in QUICK if args.quick else [(r, p, c) for r in FULL for p, c in VARIANTS]:
+            replica += compare_replica(row, precision, ckpt)
+        print(replica_table(replica))
+        real = [r for r in replica if "real_ratio" in r]
+        buckets = [r for r in replica if "buckets_measured" in r]
+        cross = [r["malloc_vs_tracker"] for r in replica if "malloc_vs_tracker" in r]
+        print("\n" + summary(replica, "replica layout against MemTracker"))
+        if real:
+            print(f"without a dispatch mode (one part a replica, malloc sampled): estimate / measured from "
+                  f"{min(r['real_ratio'] for r in real):.3f} to {max(r['real_ratio'] for r in real):.3f}, "
+                  f"{len(real)} configurations")
+        print(f"DDP's buckets measured / estimated: "
+              f"{min(r['buckets_measured'] / r['buckets_estimated'] for r in buckets):.3f} to "
+              f"{max(r['buckets_measured'] / r['buckets_estimated'] for r in buckets):.3f}; malloc's rise / "
+              f"MemTracker's rise over the step: {min(cross):.3f} to {max(cross):.3f}")
+        dist.destroy_process_group()
+    if not args.replica:
+        for conf in QUICK_STAGE if args.quick else STAGE:
+            stage += compare_stage(conf)
+        print("\n" + stage_table(stage) + "\n\n" + summary(stage, "stage layout against MemTracker"))
+    configurations = len({(r["d_model"], r["seq_len"], r["precision"], r["ckpt"], r["nb_part"]) for r in replica})
+    print(f"\n{configurations} replica and {len({json.dumps({k: r[k] for k in STAGE[0]}) for r in stage})} stage "
+          f"configuration(s) in {time.monotonic() - start:.0f} s on torch {torch.__version__}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(replica=replica, stage=stage), indent=1, default=str))
+    return 0 if within(replica) and within(stage) else 1
 
 
 if __name__ == "__main__":

@@ -256,7 +256,7 @@ NOT_IN_CORPUS = {
     "gpu-bind-mask": "test_parse_errors", "gpu-bind-closest": "test_parse_errors",
     "ntasks-below-nodes": "test_placement_measured", "step-nodes": "test_placement_measured",
     "srun-ntasks-per-node-conflict": "test_placement_measured",
-    "does-not-fit": "tests/test_memory.py", "memory-tight": "issue 13's memory model (tests/test_memory.py checks its absence only)",
+    "does-not-fit": "tests/test_memory.py", "memory-tight": "tests/test_memory.py",
     "bf16-on-v100": "tests/test_memory.py",
     "fp16-stage": "tests/test_options.py",
     "torch-release": "the trainers and their --check-args (tests/test_args.py); a job script's module line gives "

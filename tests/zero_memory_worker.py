@@ -1,6 +1,6 @@
-"""One step of the trainer's replica (bench_ddp_transformer.Replica: Pipe + DDP) with its AdamW swapped for
-ZeroRedundancyOptimizer(AdamW) over the replicas; writes, per part, the bytes of optimizer state this rank holds.
-Started once per task by tests/test_memory.py, under srun-like variables."""
+"""One step of the trainer's replica (bench_ddp_transformer.Replica: Pipe + DDP) with --zero, so its optimizer is the
+trainer's own make_optimizer(zero=True): ZeroRedundancyOptimizer(AdamW) over the replicas. Writes, per part, the
+bytes of optimizer state this rank holds. Started once per task by tests/test_memory.py, under srun-like variables."""
 from __future__ import annotations
 
 import json
@@ -22,8 +22,8 @@ def main() -> None:
     plan = bench.make_plan(cfg, cuda=False)
     bench.init_distributed(120, cuda=False)
     replica = bench.Replica(cfg, plan, "fairscale")
-    replica.optimizer = ZeroRedundancyOptimizer(replica.model.parameters(), optimizer_class=torch.optim.AdamW,
-                                                lr=cfg.lr)
+    if not isinstance(replica.optimizer, ZeroRedundancyOptimizer):
+        raise SystemExit(f"--zero gave the trainer a {type(replica.optimizer).__name__}, not ZeroRedundancyOptimizer")
     replica.start()
     x, y = global_batch(cfg, 1)
     replica.train_step(x, y)
