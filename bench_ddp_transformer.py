@@ -935,13 +935,11 @@ def data_source(cfg: argparse.Namespace) -> Path | None:
 
 
 def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dict:
-    """Tokenised tensors, built once by rank 0 and cached; the other ranks wait, then load the cache (or build
-    their own where they cannot see it). What each task found is gathered (agree): a task that cannot read the
-    data says so, and every task stops."""
+    """Tokenised tensors, built once by rank 0 and cached; the other ranks wait, then load the cache (or build their
+    own where they cannot see it). What each task found is gathered (agree): one that cannot read the data stops all."""
     cache_dir = Path(cfg.cache_dir or os.environ.get("SCRATCH") or
                      (source.parent if source is not None and os.access(source.parent, os.W_OK) else ".cache"))
-    name = "synthetic" if source is None else "imdb"
-    cache = key = None  # rank 0 computes the key (every review's size and time); the others take it
+    name, cache, key = "synthetic" if source is None else "imdb", None, None  # rank 0 computes the key; others take it
 
     def build() -> dict:
         t0 = time.time()
@@ -985,11 +983,8 @@ def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dic
             problem = str(exc)
     key = agree(problem, launch, key)[0]  # rank 0's verdict on the data, before the others read what it cached
     cache = cache_dir / f"{name}-{key}.pt"
-    # agree() above is the barrier: on gloo (HOST_GROUP), never on nccl's group. nccl's barrier() all-reduces on
-    # device_ids[0], else the device bound by init_process_group, else the lowest GPU the group used, else global
-    # rank % GPUs per node (barrier() in 2.3.1-2.6.0, guessDeviceId() in 2.8.0-2.14.1), not the current device:
-    # before any other collective, task 1 of the page's 2 tasks per node would use GPU 1 (task 0's) and then meet
-    # DDP in another communicator.
+    # agree() above is the barrier, on gloo (HOST_GROUP), never nccl's: nccl's barrier() picks global rank % GPUs per
+    # node, not the current device, and would put task 1 on task 0's GPU (docs/gpu.md, the rule per release)
     problem = None
     try:
         if data is None:

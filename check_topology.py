@@ -2352,6 +2352,39 @@ def _near(word: str, choices: Iterable[str]) -> str:
     return f"; did you mean {near[0]}?" if near else f"; one of {', '.join(choices)}"
 
 
+def gpu_bind_problem(v: str, prog: str) -> tuple[str | None, str | None]:
+    """--gpu-bind as common/tres_bind.c _valid_gpu_bind reads it: closest and none match on their first letter."""
+    b = v[8:] if v.lower().startswith("verbose,") else v
+    low = b.lower()
+    if low.startswith("map_gpu:") or low.startswith("mask_gpu:"):
+        digits = "[0-9a-fA-Fx*]" if low.startswith("mask") else "[0-9*]"
+        items = low.split(":", 1)[1].split(",")
+        if not all(re.fullmatch(digits + "+", x) for x in items):
+            return f"--gpu-bind={v}: {low.split(':')[0]} wants a comma-separated list of GPU numbers", None
+        return None, None
+    for word, prefix in (("closest", "c"), ("none", "n")):
+        if low.startswith(prefix):
+            return None, (None if low == word else f"{prog} reads --gpu-bind={v} as '{word}' (it compares the "
+                          f"first letter only); write {word}")
+    if low.startswith(("per_task:", "single:")):
+        n = low.split(":", 1)[1]
+        return None, (None if n.isdigit() else f"{prog} reads --gpu-bind={v} as {low.split(':')[0]}:0 (not a "
+                      "number); give a count")
+    return f"--gpu-bind={v} is not a GPU binding (closest, map_gpu:, mask_gpu:, none, per_task:, single:)", None
+
+
+def cpu_bind_problem(v: str) -> str | None:
+    """--cpu-bind as common/slurm_resource_info.c slurm_verify_cpu_bind reads it."""
+    for t in _tokens(v):
+        low = t.lower()
+        if re.match(r"(map_?cpu|mask_?cpu|map_?ldom|mask_?ldom)", low):
+            if not re.search(r"[:=].+", low):
+                return f"--cpu-bind={v}: missing list for '{t}'"
+        elif low not in CPU_BINDS:
+            return f"--cpu-bind={v}: unrecognized --cpu-bind argument \"{t}\"{_near(t, CPU_BINDS)}"
+    return None
+
+
 def option_value_problem(name: str, value: str | None, prog: str = "sbatch") -> tuple[str | None, str | None]:
     """(why sbatch or srun refuse this value, how they read it other than written); (None, None) when fine.
     Each rule is 22.05's own parser, named beside it."""
@@ -2363,33 +2396,10 @@ def option_value_problem(name: str, value: str | None, prog: str = "sbatch") -> 
         if not re.fullmatch(r"\d+([KMGTkmgt][Bb]?)?", v):
             return f"--{name}={v} is not a size (a number of MB, or with K, M, G or T)", None
         return None, None
-    if name == "gpu-bind":  # common/tres_bind.c _valid_gpu_bind: closest and none match on their first letter
-        b = v[8:] if v.lower().startswith("verbose,") else v
-        low = b.lower()
-        if low.startswith("map_gpu:") or low.startswith("mask_gpu:"):
-            digits = "[0-9a-fA-Fx*]" if low.startswith("mask") else "[0-9*]"
-            items = low.split(":", 1)[1].split(",")
-            if not all(re.fullmatch(digits + "+", x) for x in items):
-                return f"--gpu-bind={v}: {low.split(':')[0]} wants a comma-separated list of GPU numbers", None
-            return None, None
-        for word, prefix in (("closest", "c"), ("none", "n")):
-            if low.startswith(prefix):
-                return None, (None if low == word else f"{prog} reads --gpu-bind={v} as '{word}' (it compares the "
-                              f"first letter only); write {word}")
-        if low.startswith(("per_task:", "single:")):
-            n = low.split(":", 1)[1]
-            return None, (None if n.isdigit() else f"{prog} reads --gpu-bind={v} as {low.split(':')[0]}:0 (not a "
-                          "number); give a count")
-        return f"--gpu-bind={v} is not a GPU binding (closest, map_gpu:, mask_gpu:, none, per_task:, single:)", None
+    if name == "gpu-bind":  # common/tres_bind.c _valid_gpu_bind
+        return gpu_bind_problem(v, prog)
     if name == "cpu-bind":  # common/slurm_resource_info.c slurm_verify_cpu_bind
-        for t in _tokens(v):
-            low = t.lower()
-            if re.match(r"(map_?cpu|mask_?cpu|map_?ldom|mask_?ldom)", low):
-                if not re.search(r"[:=].+", low):
-                    return f"--cpu-bind={v}: missing list for '{t}'", None
-            elif low not in CPU_BINDS:
-                return f"--cpu-bind={v}: unrecognized --cpu-bind argument \"{t}\"{_near(t, CPU_BINDS)}", None
-        return None, None
+        return cpu_bind_problem(v), None
     if name == "distribution":  # proc_args.c verify_dist_type
         if re.fullmatch(r"(?i)plane=\d+", v) and int(v.split("=")[1]) > 0:
             return None, None
@@ -4270,25 +4280,22 @@ def read_modules(ran: Ran, job: Job) -> None:
     job.torch_module = loaded[-1] if loaded else None
 
 
-def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
-    """Read the job script the way sbatch 22.05 and bash do: the header's directives (read_directives), then every
-    command bash would run (its variables expanded, here-documents set aside, functions called), for the modules it
-    loads and the programs it launches. The first launch of a kit trainer is the trainer line; without one, the
-    other launch lines are judged at the Slurm level only (job.trainer is None)."""
-    text, too_large = read_script_text(path)
-    job, training, findings = Job(source=str(path)), Training(), Findings()
+def script_file_problems(path: str | os.PathLike, text: str, too_large: bool, job: Job,
+                         findings: Findings) -> str | None:
+    """What sbatch refuses in the file itself (size, NUL bytes, DOS line breaks, no '#!', empty): the text to read
+    on, or None where nothing more can be read (job.unplanned says why)."""
     name = Path(path).name
     if too_large:
         findings.error("script-too-large", f"{name}: the script is larger than {MAX_SCRIPT_BYTES // 2 ** 20} MiB: "
                        "slurmctld refuses it ('Pathname of a file, directory or other parameter too long', measured "
                        "at 4.3 MB); keep data out of the script")
         job.unplanned = "the script is too large for Slurm"
-        return job, training, findings
+        return None
     if "\0" in text:
         findings.error("not-a-script", f"{name}: the file holds NUL bytes (a binary file?): sbatch refuses it ('does "
                        "not allow scripts that contain a NULL character'); give the job script")
         job.unplanned = "not a job script"
-        return job, training, findings
+        return None
     if "\r\n" in text:
         findings.error("dos-line-breaks", f"{name}: the file has DOS line breaks (\\r\\n): sbatch refuses it "
                        f"('Batch script contains DOS line breaks'); convert it: dos2unix {name}")
@@ -4298,6 +4305,20 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
                        "file ('This does not look like a batch script'); make line 1 '#!/bin/bash'")
     if not text.strip():
         raise UsageError(f"{path} is empty: nothing to check (sbatch refuses it too: 'Batch script is empty!')")
+    return text
+
+
+def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
+    """Read the job script the way sbatch 22.05 and bash do: the header's directives (read_directives), then every
+    command bash would run (its variables expanded, here-documents set aside, functions called), for the modules it
+    loads and the programs it launches. The first launch of a kit trainer is the trainer line; without one, the
+    other launch lines are judged at the Slurm level only (job.trainer is None)."""
+    text, too_large = read_script_text(path)
+    job, training, findings = Job(source=str(path)), Training(), Findings()
+    name = Path(path).name
+    text = script_file_problems(path, text, too_large, job, findings)
+    if text is None:
+        return job, training, findings
     first_command = read_directives(text, name, job, findings)
     if any(f.code == "count-too-large" for f in findings):
         job.unplanned = "a count no node has"
