@@ -399,7 +399,9 @@ def test_resume_reads_the_companion_weights_only(tmp_path, precision):
     """What a resumed run reads, weights-only, on every release: optimizer state, every rank's RNG states, and
     (fp16) the GradScaler's state."""
     ckpt = tmp_path / "ckpt.pt"
-    common = [*SMALL, "--cache-dir", str(tmp_path), "--save", str(ckpt), "--precision", precision]
+    # a narrow model: fp16 on the CPU runs emulated and slowly in some releases (2.4.1: 100 s at SMALL's width)
+    common = [*SMALL, "--d-model", "16", "--n-head", "2", "--d-hid", "32", "--seq-len", "16", "--cache-dir",
+              str(tmp_path), "--save", str(ckpt), "--precision", precision]
     first = bench([*common, "--epochs", "1"])[0]
     assert first.returncode == 0, first.stderr[-2000:]
     state = torch.load(b.resume_file(ckpt), weights_only=True)
