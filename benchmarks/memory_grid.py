@@ -499,28 +499,38 @@ def mib(n: float) -> str:
     return f"{n / 2 ** 20:.2f}"
 
 
-def replica_table(rows: list[dict]) -> str:
-    lines = ["| d_model | n_head | d_hid | seq | batch | chunks | nb_part | dropout | precision | ckpt | part | "
-             "measured MiB | estimated MiB | estimate / measured | peak measured at | estimated at |",
-             "|" + " ---: |" * 8 + " --- | --- |" + " ---: |" * 4 + " --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['d_model']} | {r['n_head']} | {r['d_hid']} | {r['seq_len']} | {r['batch_size']} | "
-                     f"{r['chunks']} | {r['nb_part']} | {r['dropout']} | {r['precision']} | "
-                     f"{'yes' if r['ckpt'] else 'no'} | {r['part']} | {mib(r['measured'])} | {mib(r['estimated'])} | "
-                     f"{r['ratio']:.3f} | {r['measured_at']} | {r['estimated_at']} |")
+def yes(flag: object) -> str:
+    return "yes" if flag else "no"
+
+
+def table(columns: list[tuple[str, str, object]], rows: list[dict]) -> str:
+    """A markdown table: per column its heading, its alignment rule ('---:' or '---') and the cell of a row."""
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "".join(f" {c[1]} |" for c in columns)]
+    lines += ["| " + " | ".join(str(c[2](r)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def replica_table(rows: list[dict]) -> str:
+    return table([(k, "---:", lambda r, k=k: r[k]) for k in ("d_model", "n_head", "d_hid")]
+                 + [("seq", "---:", lambda r: r["seq_len"]), ("batch", "---:", lambda r: r["batch_size"])]
+                 + [(k, "---:", lambda r, k=k: r[k]) for k in ("chunks", "nb_part", "dropout")]
+                 + [("precision", "---", lambda r: r["precision"]), ("ckpt", "---", lambda r: yes(r["ckpt"])),
+                    ("part", "---:", lambda r: r["part"]), ("measured MiB", "---:", lambda r: mib(r["measured"])),
+                    ("estimated MiB", "---:", lambda r: mib(r["estimated"])),
+                    ("estimate / measured", "---:", lambda r: f"{r['ratio']:.3f}"),
+                    ("peak measured at", "---", lambda r: r["measured_at"]),
+                    ("estimated at", "---", lambda r: r["estimated_at"])], rows)
 
 
 def stage_table(rows: list[dict]) -> str:
-    lines = ["| pp | pipelines | schedule | chunks | precision | ckpt | zero | dropout | task | measured MiB | "
-             "estimated MiB | estimate / measured | peak estimated at |",
-             "| ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for r in rows:
-        lines.append(f"| {r['pp']} | {r['replicas']} | {r['schedule']} | {r['chunks']} | {r['precision']} | "
-                     f"{'yes' if r['ckpt'] else 'no'} | {'yes' if r['zero'] else 'no'} | {r['dropout']} | "
-                     f"{r['part']} | "
-                     f"{mib(r['measured'])} | {mib(r['estimated'])} | {r['ratio']:.3f} | {r['estimated_at']} |")
-    return "\n".join(lines)
+    return table([("pp", "---:", lambda r: r["pp"]), ("pipelines", "---:", lambda r: r["replicas"]),
+                  ("schedule", "---", lambda r: r["schedule"]), ("chunks", "---:", lambda r: r["chunks"]),
+                  ("precision", "---", lambda r: r["precision"]), ("ckpt", "---", lambda r: yes(r["ckpt"])),
+                  ("zero", "---", lambda r: yes(r["zero"])), ("dropout", "---:", lambda r: r["dropout"]),
+                  ("task", "---:", lambda r: r["part"]), ("measured MiB", "---:", lambda r: mib(r["measured"])),
+                  ("estimated MiB", "---:", lambda r: mib(r["estimated"])),
+                  ("estimate / measured", "---:", lambda r: f"{r['ratio']:.3f}"),
+                  ("peak estimated at", "---", lambda r: r["estimated_at"])], rows)
 
 
 def within(rows: list[dict]) -> bool:
