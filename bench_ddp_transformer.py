@@ -730,7 +730,7 @@ def memory_estimate(cfg: argparse.Namespace, plan: check_topology.TaskPlan, nb_p
         arch, gpu_gib = "cpu", None
     else:
         device = plan.device(0)
-        arch = "sm80" if torch.cuda.get_device_capability(device) >= (8, 0) else "sm70"
+        arch = check_topology.arch_of(torch.cuda.get_device_capability(device))
         gpu_gib = torch.cuda.get_device_properties(device).total_memory / check_topology.GIB
     release = check_topology.version_tuple(torch.__version__)
     line = check_topology.memory_line(model, t, nb_part, replicas, gpu_gib, arch, release)
@@ -739,7 +739,8 @@ def memory_estimate(cfg: argparse.Namespace, plan: check_topology.TaskPlan, nb_p
 
 def check_precision(cfg: argparse.Namespace, plan: check_topology.TaskPlan) -> None:
     """What only the GPU itself can refuse: bf16 where it has none (V100, compute capability 7.0)."""
-    if cfg.precision == "bf16" and not plan.cpu and torch.cuda.get_device_capability(plan.device(0)) < (8, 0):
+    if (cfg.precision == "bf16" and not plan.cpu
+            and check_topology.arch_of(torch.cuda.get_device_capability(plan.device(0))) == "sm70"):
         raise RunError(f"--precision bf16: this GPU ({torch.cuda.get_device_name(plan.device(0))}) has no bf16; use "
                        "--precision fp16 (autocast with a GradScaler)")
 

@@ -55,7 +55,7 @@ __all__ = ["Arg", "ARGS", "ARG", "GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", 
            "MULTI_STAGE", "TRAINERS", "SCRIPTS", "MAX_GPUS_PER_NODE", "gpu_indices", "Training", "model_args",
            "Finding", "Findings", "refusal_text", "ArgumentError", "trainer_parser", "TrainerLine", "read_trainer_argv",
            "parse_trainer_args", "resolve_defaults", "training_from_args", "part_sizes", "split_layers",
-           "part_contents", "TaskPlan", "plan_task", "GIB", "ARCHS", "PartMemory", "attention_kernel",
+           "part_contents", "TaskPlan", "plan_task", "GIB", "ARCHS", "arch_of", "PartMemory", "attention_kernel",
            "estimate_memory", "estimate_stage_memory", "stage_actions", "worst_part", "memory_line",
            "TORCH_FEATURES", "torch_refusals", "divisors", "check_arguments", "check_training", "stages_per_rank",
            "check_stage", "bubble", "check_trainer_task", "check_args", "check_args_main"]
@@ -774,6 +774,12 @@ ALLOWANCE_GIB = 1.0
 ALLOWANCE_FRACTION = 0.10
 GIB = 2 ** 30
 ARCHS = ("sm80", "sm70", "cpu")  # A100/H100 class, V100 class, the CPU
+
+
+def arch_of(capability: tuple[int, int] | None) -> str:
+    """The ARCHS key of a CUDA compute capability (None: the CPU). sm80 and later have bf16 and FlashAttention; the
+    trainers, the GPU benchmarks and the checker's -C reading (V100: sm70) share it."""
+    return "cpu" if capability is None else "sm80" if tuple(capability) >= (8, 0) else "sm70"
 
 
 @dataclass

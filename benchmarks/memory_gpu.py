@@ -98,7 +98,7 @@ def terms(model: dict, precision: str, ckpt: bool, nb_part: int) -> dict | None:
 
 
 def arch_here() -> str:
-    return "sm80" if torch.cuda.get_device_capability(0) >= (8, 0) else "sm70"
+    return check_topology.arch_of(torch.cuda.get_device_capability(0))
 
 
 def main(argv: list[str] | None = None) -> int:
