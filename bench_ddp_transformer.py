@@ -858,13 +858,19 @@ def read_imdb(source: Path) -> dict[str, tuple[list[str], list[int]]]:
                     if m and member.isfile():
                         text = tar.extractfile(member).read().decode("utf-8", errors="replace")
                         found[m.group(1)].append((member.name, int(m.group(2) == "pos"), text))
+                # tarfile ends its loop quietly at a garbled header past the first member (tarfile.TarFile.next),
+                # so a damaged gzip can look like a short archive: reading the stream to its end makes gzip check
+                # its CRC and length (gzip._GzipReader raises BadGzipFile, an OSError).
+                while tar.fileobj.read(1 << 20):
+                    pass
         except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:  # zlib.error: a damaged deflate stream
             why = " ".join(first_line(exc).split())[:160]
             raise RunError(f"cannot read {source}: {why}; it is damaged or not the IMDB tarball: download "
                            "aclImdb_v1.tar.gz again") from None
     for split, items in found.items():
         if not items:
-            raise RunError(f"{source} has no {split}/pos or {split}/neg reviews")
+            raise RunError(f"{source} has no {split}/pos or {split}/neg reviews: it is not a complete aclImdb; "
+                           "download aclImdb_v1.tar.gz again")
         items.sort(key=lambda t: (t[1], t[0]))
     return {s: ([t for _, _, t in items], [y for _, y, _ in items]) for s, items in found.items()}
 

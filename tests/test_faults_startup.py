@@ -229,6 +229,26 @@ def test_corrupt_tarball_is_one_line(tmp_path, kind):
     assert f"cannot read {tarball}: " in line and "download aclImdb_v1.tar.gz again" in line, line
 
 
+def test_damage_anywhere_in_the_gzip_is_caught(tmp_path):
+    """tarfile stops quietly at a garbled header past the first member, so damage that garbles a header used to
+    read as a short archive ("has no train/... reviews", 12 offsets in 40 before the fix): every offset must be
+    refused as a damaged file, by the tar's checksum or gzip's CRC."""
+    imdb = write_imdb(tmp_path / "src", per_class=40)
+    good = tmp_path / "good.tar.gz"
+    with tarfile.open(good, "w:gz") as tar:
+        tar.add(imdb, arcname="aclImdb")
+    data = good.read_bytes()
+    for off in range(64, len(data) - 128, max(1, (len(data) - 192) // 40)):
+        damaged = bytearray(data)
+        damaged[off: off + 64] = bytes(64)
+        tarball = tmp_path / f"{off}" / "aclImdb_v1.tar.gz"
+        tarball.parent.mkdir()
+        tarball.write_bytes(bytes(damaged))
+        with pytest.raises(b.RunError, match="download aclImdb_v1.tar.gz again") as err:
+            b.read_imdb(tarball)
+        assert f"cannot read {tarball}: " in str(err.value), (off, str(err.value))
+
+
 @pytest.mark.parametrize("script", ["bench_ddp_transformer.py", "bench_stage.py"])
 def test_malformed_slurm_procid_is_one_message(script):
     env = clean_env(SLURM_JOB_ID="9", SLURM_STEP_ID="0", SLURM_PROCID="abc", SLURM_NTASKS="2",
