@@ -50,6 +50,13 @@ AFFINITY_PARTITIONS = {
     "bind": (["bind1", "bind2"], 4, len(os.sched_getaffinity(0)), "v100,v100-32g"),
 }
 
+# `sbatch --wait` polls the job at 2, 8, then 32 s intervals, and stays at 2 s only while MinJobAge <= 4
+# (sbatch.c `_job_wait`, Slurm 22.05: the interval grows while it is < min_job_age / 2, capped at 32). With
+# Slurm's default (300) a 12 s job returned after 42 s. A finished job's record then lives 4 s to about a minute
+# (slurmctld purges old jobs every PURGE_JOB_INTERVAL, 60 s): the tests that read a job's state poll it every
+# 0.5 s, and a 2 s poll sees it before it goes.
+MIN_JOB_AGE = 4
+
 
 class SlurmUnavailable(RuntimeError):
     """This machine can't run the test cluster; the message says why."""
@@ -162,7 +169,7 @@ class LocalCluster:
             "ReturnToService=2", "MpiDefault=none", "SwitchType=switch/none",
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none", "SchedulerType=sched/backfill",
-            "MinJobAge=300", "KillWait=5", "InactiveLimit=0", "SlurmdTimeout=30", "MessageTimeout=20",
+            f"MinJobAge={MIN_JOB_AGE}", "KillWait=5", "InactiveLimit=0", "SlurmdTimeout=30", "MessageTimeout=20",
         ]
         gres = ["AutoDetect=off"]
         for i, (part, (names, gpus, cpus, feats)) in enumerate(self.partitions.items()):
