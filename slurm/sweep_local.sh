@@ -20,7 +20,7 @@ launch() {  # $1 local processes (torchrun) sharing the cores
   "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$1" "${@:3}" > /dev/null
 }
 # the cluster sweep's own loop (slurm/sweep_steps.sh), with parts for GPUs
-# (MODEL empty: the trainer's CPU defaults)
+# (MODEL empty: the trainer's CPU defaults; the stage runs below take the same MODEL)
 GPUS=$PARTS CORES=$(nproc) COUNTS=$TASKS BATCH_PER_GPU=$BATCH_PER_PART EPOCHS=1 WHERE="" MODEL=${MODEL-} \
   EXTRA="--synthetic $SYNTHETIC" source slurm/sweep_steps.sh
 # Beyond the page: the same model and global batch on torch.distributed.pipelining, a process per part.
@@ -35,7 +35,7 @@ if [ -n "${STAGE_PP-2 4}" ] && "$PYTHON" -c "import torch.distributed.pipelining
         echo "run: stage layout pp=$pp x dp=$(( PARTS / pp )) batch=$batch chunks=$chunks"
         "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$PARTS" bench_stage.py \
             --pp "$pp" --schedule 1f1b --chunks "$chunks" --batch-size "$batch" --epochs 1 \
-            --synthetic "$SYNTHETIC" --json-out "$RESULTS" > /dev/null 2>&1
+            --synthetic "$SYNTHETIC" ${MODEL-} --json-out "$RESULTS" > /dev/null 2>&1
       done
     done
   done

@@ -117,7 +117,7 @@ def test_activation_checkpointing_gives_the_plain_loss_and_gradients(tmp_path, p
 def test_mixed_precision_learns_and_saves_fp32_weights(tmp_path, precision, other):
     ckpt, out = tmp_path / "model.pt", tmp_path / "runs.jsonl"
     common = ["--synthetic", "1000", "--cache-dir", str(tmp_path), "--batch-size", "16", "--chunks", "2",
-              "--lr", "3e-3"]
+              "--lr", "3e-3", "--d-model", "32", "--d-hid", "64", "--seq-len", "32"]  # narrow: autocast is slow on CPU
     stdout = ok(bench([*common, "--epochs", "2", "--precision", precision, "--save", str(ckpt), "--json-out",
                        str(out)], ntasks=2, timeout=480))
     assert f"precision {precision}" in stdout

@@ -92,7 +92,7 @@ def test_empty_results_fail_clearly(tmp_path, capsys):
 def test_local_sweep_end_to_end(tmp_path):
     results = tmp_path / "cpu.jsonl"
     env = clean_env(PYTHON=sys.executable, TASKS="1 2", BATCH_PER_PART="8", CHUNKS="1 2", STAGE_PP="2",
-                    SYNTHETIC="600")
+                    SYNTHETIC="300", MODEL="--nlayers 4 --d-model 32 --n-head 4 --d-hid 64 --seq-len 32")
     r = subprocess.run(["bash", str(ROOT / "slurm" / "sweep_local.sh"), str(results)], env=env, capture_output=True,
                        text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -103,6 +103,7 @@ def test_local_sweep_end_to_end(tmp_path):
     if importlib.util.find_spec("torch.distributed.pipelining"):
         expect.append(("stage", 4, 2, 2))
     assert got == sorted(expect)
+    assert {(x["d_model"], x["seq_len"]) for x in lines} == {(32, 32)}  # MODEL reached every run, the stage's too
     assert report.main([str(results), "--out", str(tmp_path / "out")]) == 0
     # matplotlib is optional (the torch 2.3 lane has none): tables always, the plot where it imports
     assert (tmp_path / "out" / "throughput.png").exists() == bool(importlib.util.find_spec("matplotlib"))

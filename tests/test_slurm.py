@@ -67,6 +67,11 @@ def test_idr_torch_under_srun(slurm_cluster, workdir):
 
 # ---- the page's 3-node template, submitted and run to the end ---------------------------------------------------
 def test_page_three_node_template_runs(slurm_cluster, workdir):
+    """The template as shipped (16 layers, the CPU defaults' width) on 1500 synthetic reviews rather than 4000: six
+    tasks share this machine's cores, and the smaller corpus is what takes this test from 140 s to about 60."""
+    text = (workdir / "page_3nodes_4gpus.slurm").read_text()
+    assert text.count(" --epochs 2 ") == 1
+    (workdir / "page_3nodes_4gpus.slurm").write_text(text.replace(" --epochs 2 ", " --epochs 2 --synthetic 1500 "))
     r = run(["sbatch", "--wait", "--parsable", "page_3nodes_4gpus.slurm"], slurm_cluster, workdir, timeout=600)
     job = r.stdout.strip().split(";")[0]
     out, err = read_job_files(workdir, "hybrid_3x4", job) if job else ("", r.stderr)
@@ -240,7 +245,7 @@ def test_time_limit_signal_requeues_and_resumes(slurm_cluster, workdir):
     import time
     text = (workdir / "page_3nodes_4gpus.slurm").read_text()
     text = text.replace("--nlayers 16 --chunks 4 --batch-size 64 --epochs 2",
-                        "--nlayers 2 --chunks 2 --batch-size 16 --epochs 2 --synthetic 3000 --log-every 0")
+                        "--nlayers 2 --chunks 2 --batch-size 16 --epochs 2 --synthetic 1500 --log-every 0")
     assert "--log-every 0" in text and "scontrol requeue" in text and "--signal=USR1@" in text
     (workdir / "requeue.slurm").write_text(text)
     r = run(["sbatch", "--parsable", "requeue.slurm"], slurm_cluster, workdir)
@@ -276,7 +281,7 @@ def test_scancel_then_a_new_submission_resumes(slurm_cluster, workdir):
     import time
     text = (workdir / "page_3nodes_4gpus.slurm").read_text()
     text = text.replace("--nlayers 16 --chunks 4 --batch-size 64 --epochs 2",
-                        "--nlayers 2 --chunks 2 --batch-size 16 --epochs 2 --synthetic 3000 --log-every 0")
+                        "--nlayers 2 --chunks 2 --batch-size 16 --epochs 2 --synthetic 1500 --log-every 0")
     (workdir / "again.slurm").write_text(text)
     first = run(["sbatch", "--parsable", "again.slurm"], slurm_cluster, workdir).stdout.strip().split(";")[0]
     log = workdir / f"hybrid_3x4_{first}.out"

@@ -57,13 +57,17 @@ def test_stage_layout_learns_in_sync_and_checkpoints(tmp_path):
     state = torch.load(ckpt)
     assert "0.0.embedding.weight" in state and "1.2.head.2.weight" in state
     assert torch.load(ckpt.with_name("stage.pt.resume.pt"), weights_only=False)["layout"]["nb_part"] == 2
+    # each way back a few steps of the next epoch (--max-steps counts steps in all, the loaded ones too): loading,
+    # a step and the epoch's end are what is tested, and whole epochs made this test 70-100 s in every lane
+    [steps] = re.findall(r"checkpoint saved: \S+ \(epoch 2, step (\d+)\)", stdout)
     resumed = ok(bench(["--nb-part", "2", "--batch-size", "32", "--synthetic", "2000",
-                        "--epochs", "3", "--cache-dir", str(tmp_path), "--load", str(ckpt), "--save",
-                        str(tmp_path / "replica.pt")], ntasks=2))
+                        "--epochs", "3", "--max-steps", str(int(steps) + 3), "--cache-dir", str(tmp_path),
+                        "--load", str(ckpt), "--save", str(tmp_path / "replica.pt")], ntasks=2))
     assert f"loaded {ckpt}: epoch 2" in resumed and "epoch   3 |" in resumed
+    assert f"checkpoint saved: {tmp_path / 'replica.pt'} (epoch 3, step {int(steps) + 3})" in resumed
     back = ok(bench(["--pp", "2", "--schedule", "gpipe", "--chunks", "2", "--batch-size", "32",
-                     "--synthetic", "2000", "--epochs", "4", "--cache-dir", str(tmp_path), "--load",
-                     str(tmp_path / "replica.pt")], ntasks=2, script=STAGE))
+                     "--synthetic", "2000", "--epochs", "4", "--max-steps", str(int(steps) + 6),
+                     "--cache-dir", str(tmp_path), "--load", str(tmp_path / "replica.pt")], ntasks=2, script=STAGE))
     assert "epoch   4 |" in back
 
 
