@@ -55,7 +55,8 @@ __all__ = ["Arg", "ARGS", "ARG", "GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", 
            "MULTI_STAGE", "TRAINERS", "SCRIPTS", "MAX_GPUS_PER_NODE", "gpu_indices", "Training", "model_args",
            "Finding", "Findings", "refusal_text", "ArgumentError", "trainer_parser", "TrainerLine", "read_trainer_argv",
            "parse_trainer_args", "resolve_defaults", "training_from_args", "part_sizes", "split_layers",
-           "part_contents", "TaskPlan", "plan_task", "GIB", "ARCHS", "arch_of", "PartMemory", "attention_kernel",
+           "part_contents", "TaskPlan", "plan_task", "GIB", "ARCHS", "arch_of", "requested_arch", "PartMemory",
+           "attention_kernel",
            "estimate_memory", "estimate_stage_memory", "stage_actions", "worst_part", "memory_line",
            "TORCH_FEATURES", "torch_refusals", "divisors", "check_arguments", "check_training", "stages_per_rank",
            "check_stage", "bubble", "check_trainer_task", "check_args", "check_args_main"]
@@ -780,6 +781,13 @@ def arch_of(capability: tuple[int, int] | None) -> str:
     """The ARCHS key of a CUDA compute capability (None: the CPU). sm80 and later have bf16 and FlashAttention; the
     trainers, the GPU benchmarks and the checker's -C reading (V100: sm70) share it."""
     return "cpu" if capability is None else "sm80" if tuple(capability) >= (8, 0) else "sm70"
+
+
+def requested_arch(v100: bool) -> tuple[str, str]:
+    """The ARCHS key and the low precision (bf16, or fp16 where there is none) of the GPUs a request gets, read
+    from -C or the partition: a V100 is compute capability 7.0, the A100 and H100 8.0 and 9.0 (arch_of)."""
+    arch = arch_of((7, 0) if v100 else (8, 0))
+    return arch, "bf16" if arch == "sm80" else "fp16"
 
 
 @dataclass
@@ -1568,7 +1576,7 @@ def memory_fixes(model: dict, t: "Training", nb_part: int, replicas: int, tpn: i
                  v100: bool, torch: tuple[int, int] | None = None) -> list[str]:
     """The cheap fixes for a GPU that does not fit, each with its own new estimate (re-estimated, not scaled).
     nb_part is --pp in the stage layout."""
-    arch, low = ("sm70", "fp16") if v100 else ("sm80", "bf16")
+    arch, low = requested_arch(v100)
     worst_part = lambda *a: _worst(*a, torch=torch)  # noqa: E731
     stage = t.layout == "stage"
     tries: list[tuple[str, dict, Training, int, int]] = []
@@ -4899,10 +4907,10 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
         return None  # unknown GPU, or arguments the line leaves unknown (shell variables)
     model = model_args(t)
     stage = t.layout == "stage"
+    arch = requested_arch(v100)[0]
     try:
-        parts = (estimate_stage_memory(model, t, nb_part, replicas, "sm70" if v100 else "sm80",
-                                       torch=torch_version_of(job.torch_module)) if stage
-                 else estimate_memory(model, t, nb_part, replicas, "sm70" if v100 else "sm80"))
+        parts = (estimate_stage_memory(model, t, nb_part, replicas, arch, torch=torch_version_of(job.torch_module))
+                 if stage else estimate_memory(model, t, nb_part, replicas, arch))
     except ValueError:
         return None  # chunks/batch/schedule already reported by check_training and check_stage
     worst = max(parts, key=lambda m: m.total)
@@ -4941,7 +4949,7 @@ def advise(nodes: int, gpn: int, gib: float, model: dict, global_batch: int, v10
     page's replicas; bench_stage.py's pipelines with --schedule 1f1b: GPipe holds every micro-batch for the same
     bubble), sorted by fewest GPUs per replica or pipeline, then by bubble."""
     rows = []
-    arch, low = ("sm70", "fp16") if v100 else ("sm80", "bf16")
+    arch, low = requested_arch(v100)
     for tpn in divisors(gpn):
         nb_part, replicas = gpn // tpn, nodes * tpn
         if global_batch % replicas or model["nlayers"] < nb_part:

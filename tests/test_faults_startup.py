@@ -202,13 +202,18 @@ def test_companion_without_layout_is_one_line(tmp_path, one_epoch):
     assert f"{b.resume_file(ckpt)} has no 'layout' field" in line and "delete it to load" in line, line
 
 
-def damaged_tarballs(folder: Path) -> dict[str, Path]:
-    """Not gzip at all; a gzip cut in the middle; a gzip whose compressed bytes are damaged."""
+def imdb_tarball(folder: Path) -> bytes:
+    """A small aclImdb_v1.tar.gz, whole."""
     imdb = write_imdb(folder / "src", per_class=40)
     good = folder / "good.tar.gz"
     with tarfile.open(good, "w:gz") as tar:
         tar.add(imdb, arcname="aclImdb")
-    data = good.read_bytes()
+    return good.read_bytes()
+
+
+def damaged_tarballs(folder: Path) -> dict[str, Path]:
+    """Not gzip at all; a gzip cut in the middle; a gzip whose compressed bytes are damaged."""
+    data = imdb_tarball(folder)
     damaged = bytearray(data)
     damaged[len(data) // 2: len(data) // 2 + 64] = bytes(64)
     out = {}
@@ -233,11 +238,7 @@ def test_damage_anywhere_in_the_gzip_is_caught(tmp_path):
     """tarfile stops quietly at a garbled header past the first member, so damage that garbles a header used to
     read as a short archive ("has no train/... reviews", 12 offsets in 40 before the fix): every offset must be
     refused as a damaged file, by the tar's checksum or gzip's CRC."""
-    imdb = write_imdb(tmp_path / "src", per_class=40)
-    good = tmp_path / "good.tar.gz"
-    with tarfile.open(good, "w:gz") as tar:
-        tar.add(imdb, arcname="aclImdb")
-    data = good.read_bytes()
+    data = imdb_tarball(tmp_path)
     for off in range(64, len(data) - 128, max(1, (len(data) - 192) // 40)):
         damaged = bytearray(data)
         damaged[off: off + 64] = bytes(64)
