@@ -8,7 +8,8 @@ COMPAT := report/compat
 lane_dir = $(VENV_CACHE)/torch-$(1)-$(shell sha256sum requirements-torch-$(1).txt | cut -c1-10)
 PY     := $(VENV)/bin/python
 
-.PHONY: run test test-modern test-lanes compat-check compat-table venv lanes slurm-deps sweep budget gpu-check clean
+.PHONY: run test test-modern test-lanes compat-check compat-table venv lanes slurm-deps sweep speed budget gpu-check \
+        clean
 
 run: venv
 	$(PY) bench_ddp_transformer.py
@@ -43,6 +44,11 @@ sweep: venv
 	rm -f report/cpu_sweep.jsonl
 	PYTHON=$(PY) slurm/sweep_local.sh report/cpu_sweep.jsonl
 	$(PY) slurm/report.py report/cpu_sweep.jsonl --out report --title "CPU sweep (gloo, 2 cores): not a GPU result"
+
+# The speed model against the trainers' own runs on this CPU (benchmarks/speed_grid.py: 32 splits x 3 repeats,
+# about 30 minutes on 2 cores); docs/speed.md quotes it.
+speed: venv
+	$(PY) benchmarks/speed_grid.py
 
 # The performance budget (benchmarks/budget.py): ratios measured in one run; docs/speed.md quotes them.
 budget: venv lane-2.3.1

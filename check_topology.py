@@ -6,6 +6,8 @@
     python check_topology.py --nodes 3 --gpus-per-node 4 --ntasks-per-node 2 --nlayers 8    # planning
     python check_topology.py --nlayers 8 --chunks 4                # in a batch script: the allocation itself
     srun python check_topology.py --nlayers 8 --chunks 4           # every task checks what it really sees
+    python check_topology.py --advise --nodes 2 -C v100-32g --global-batch 512 --profile profile.json
+                                                                   # every split that fits, fastest predicted first
 
 Layout of the page: one task per model replica; nb_part = GPUs per node // tasks per node; task `local_rank`
 owns GPUs first_part = local_rank * nb_part ... last_part = first_part + nb_part - 1. When Slurm binds GPUs per
@@ -20,8 +22,9 @@ No torch import here: checking a file must stay well under a second on a login n
 One file, in two parts, because users copy it next to the trainers and both trainers import it:
   Part I   the plan the trainers import (their `__all__`): I.1 the trainers' arguments, defined once (their
            argparse, ranges, GPU and CPU defaults), I.2 the layer split, I.3 this task's GPUs, I.4 memory, I.5 what
-           each torch release can run, I.6 the trainers' checks of their arguments, and their --check-args. The
-           trainers call these very functions, so their refusals are the checker's findings.
+           each torch release can run, I.6 the trainers' checks of their arguments, and their --check-args, I.7 the
+           speed of a split from a profile (benchmarks/speed_profile.py). The trainers call these very functions, so
+           their refusals are the checker's findings.
   Part II  the pre-flight checker: II.1 what it catches, II.2 Slurm 22.05 (the request, the option tables, the
            option values sbatch checks, the placement of tasks and GPUs: a port to a newer Slurm touches this
            block), II.3 Jean Zay in one table, II.4 reading a job script (the file, sbatch's directives, bash's
@@ -59,11 +62,12 @@ __all__ = ["Arg", "ARGS", "ARG", "GPU_DEFAULTS", "CPU_DEFAULTS", "CPU_NB_PART", 
            "attention_kernel",
            "estimate_memory", "estimate_stage_memory", "stage_actions", "worst_part", "memory_line",
            "TORCH_FEATURES", "torch_refusals", "divisors", "check_arguments", "check_training", "stages_per_rank",
-           "check_stage", "bubble", "check_trainer_task", "check_args", "check_args_main"]
+           "check_stage", "bubble", "check_trainer_task", "check_args", "check_args_main", "PROFILE_FORMAT",
+           "PROFILE_MODEL", "SPEED_TERMS", "ProfileError", "read_profile", "profile_mismatch", "predict_speed"]
 
 
 # ======================================================================================================================
-# Part I. The plan the trainers import: arguments, layer split, task plan, memory, torch releases, checks
+# Part I. The plan the trainers import: arguments, layer split, task plan, memory, torch releases, checks, speed
 # ======================================================================================================================
 
 
@@ -1913,6 +1917,316 @@ def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | 
         print(f"{prog}: --check-args: task {plan.rank} would start: {plan.nb_part} part(s) on {where}, "
               f"{'CPU' if plan.cpu else 'GPU'} defaults", flush=True)
     return status
+
+
+# ---- I.7 Speed: a split's step time from a profile -------------------------------------------------------------------
+# The model behind `--advise --profile FILE`: the step time of a split, in terms a user can read, from what
+# benchmarks/speed_profile.py measured in the allocation. The pipeline is simulated op by op in each layout's own order
+# (the shape of Megatron-LM's (m + p - 1) x (t_f + t_b), Narayanan et al. 2021 sec. 2.2, but with each part's own
+# times, so unequal parts and parts that share a device come out right): GPipe's fill and drain (fairscale's and
+# torch 2.3's Pipe: every forward, then every backward), 1F1B and the interleaved schedules (stage_actions, the
+# order torch.distributed.pipelining runs). Parts on different devices overlap as that order allows; parts that
+# share one (--devices 0,0, the CPU) run one after the other. To that come the engine's cost per micro-batch, DDP's
+# all-reduce where the backward does not hide it, and the optimizer. Every constant comes from the profile: none
+# is built in, and none was taken on a GPU here.
+
+PROFILE_FORMAT = "kit-profile/1"
+PROFILE_MODEL = ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout")  # what a profile is taken for
+# DistributedDataParallel's buckets: bucket_cap_mb=25, and the first bucket 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES),
+# filled in reverse order of model.parameters() (torch/nn/parallel/distributed.py, 2.3.1 to 2.14.1)
+DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2 ** 20, 2 ** 20
+SPEED_TERMS = ("compute", "bubble", "per_micro_batch", "communication", "optimizer")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used here: one line, with the fix."""
+
+
+def read_profile(path: str | os.PathLike) -> dict:
+    """A profile written by benchmarks/speed_profile.py, checked enough that the model's lookups cannot fail later."""
+    try:
+        profile = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ProfileError(f"--profile {path}: cannot read it ({exc.strerror}); take one with "
+                           "benchmarks/speed_profile.py (docs/speed.md)") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"--profile {path} is not JSON ({str(exc)[:80]}); take it again with "
+                           "benchmarks/speed_profile.py") from None
+    if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
+        found = profile.get("format") if isinstance(profile, dict) else type(profile).__name__
+        raise ProfileError(f"--profile {path}: format {found!r}, not {PROFILE_FORMAT!r} (benchmarks/speed_profile.py "
+                           "writes it); take it again with this kit")
+    missing = [k for k in ("key", "device", "compute", "optimizer", "engine", "allreduce") if k not in profile]
+    if missing or not profile["compute"]:
+        raise ProfileError(f"--profile {path} has no {', '.join(missing) or 'compute'}: it was cut short; take it "
+                           "again with benchmarks/speed_profile.py")
+    return profile
+
+
+def profile_mismatch(profile: dict, model: dict) -> str | None:
+    """Where the profile was taken for another model block than `model` (--nlayers may differ: a Layer is timed
+    once), the one line that says which argument and the fix."""
+    taken = profile["key"].get("model", {})
+    for name in PROFILE_MODEL:
+        if name in taken and name in model and float(taken[name]) != float(model[name]):
+            return (f"the profile was taken with --{name.replace('_', '-')} {_show(taken[name])}, the plan has "
+                    f"{_show(model[name])}: give the profile's value, or take the profile again with yours")
+    return None
+
+
+def _interpolate(points: list, x: float, column: int = 1) -> float:
+    """Piecewise linear in x through measured [x, y...] points; past the last, the last segment's slope (compute
+    grows linearly with the micro-batch once the device is busy); below the first, the first value."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][column]
+    for (x0, *y0), (x1, *y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0[column - 1] + (y1[column - 1] - y0[column - 1]) * (x - x0) / (x1 - x0)
+    if len(points) == 1:
+        return points[0][column] * x / xs[0]
+    (x0, *y0), (x1, *y1) = points[-2], points[-1]
+    return y1[column - 1] + max(0.0, (y1[column - 1] - y0[column - 1]) / (x1 - x0)) * (x - x1)
+
+
+def _nearest(records: list[dict], profile: dict, tasks: int, threads: int | None) -> tuple[dict, float]:
+    """The record (a compute context, a real step) timed with this many intra-op threads per task and tasks at work
+    on a node, or the nearest; and how much slower a CPU task runs when the split starts more threads than the
+    node has cores (they take turns). threads None: the trainer's own, the node's cores // tasks (cpu_threads)."""
+    if profile["device"] != "cpu":
+        return min(records, key=lambda c: (abs(c["tasks"] - tasks), -c["tasks"])), 1.0
+    cores = max(c["tasks"] * (c.get("threads") or 1) for c in profile["compute"])
+    want = threads or max(1, cores // tasks)
+    rec = min(records, key=lambda c: (abs((c.get("threads") or 1) - want), abs(c["tasks"] - tasks), -c["tasks"]))
+    return rec, max(1.0, tasks * want / cores)
+
+
+def _context(profile: dict, tasks: int, threads: int | None = None) -> tuple[dict, float]:
+    return _nearest(profile["compute"], profile, tasks, threads)
+
+
+def _block_times(ctx: dict, kind: str, precision: str, ckpt: bool, micro: float) -> tuple[float, float]:
+    key = f"{kind}|{precision}|{int(ckpt and kind == 'Layer')}"
+    if key not in ctx["blocks"]:
+        raise ProfileError(f"the profile has no {precision} timings of the {kind}"
+                           + (" with activation checkpointing" if ckpt and kind == "Layer" else "")
+                           + f"; take it with --precisions {precision} (benchmarks/speed_profile.py)")
+    points = ctx["blocks"][key]
+    return _interpolate(points, micro, 1), _interpolate(points, micro, 2)
+
+
+def _blocks_of(nlayers: int, nb_part: int, j: int) -> list[tuple[str, int]]:
+    layers = part_sizes(nlayers, nb_part)[j]
+    return [("Layer", layers)] + [("Encoder", 1)] * (j == 0) + [("Decoder", 1)] * (j == nb_part - 1)
+
+
+def _bare(ctx: dict, blocks: list[tuple[str, int]], t: "Training", micro: float) -> tuple[float, float]:
+    times = [(n, _block_times(ctx, k, t.precision, t.activation_checkpointing, micro)) for k, n in blocks]
+    return sum(n * f for n, (f, _) in times), sum(n * b for n, (_, b) in times)
+
+
+def _pipe_scale(profile: dict, ctx: dict, t: "Training", micro: float) -> tuple[float, float]:
+    """How much slower the blocks run inside the replica layout's Pipe than bare: the whole model timed in it (one
+    part, one chunk, less the engine's own cost) against its bare blocks (speed_profile.time_whole)."""
+    whole = ctx.get("whole", {}).get(f"{t.precision}|{int(t.activation_checkpointing)}")
+    if not whole:
+        return 1.0, 1.0
+    engine = profile["engine"]
+    fixed = (engine["per_step_s"] + engine["per_micro_batch_part_s"]) / 2
+    f, b = _bare(ctx, _blocks_of(ctx["nlayers"], 1, 0), t, micro)
+    wf, wb = _interpolate(whole, micro, 1) - fixed, _interpolate(whole, micro, 2) - fixed
+    return max(wf, 0.5 * f) / f, max(wb, 0.5 * b) / b
+
+
+def _part_costs(profile: dict, ctx: dict, model: dict, t: "Training", nb_part: int, micro: float
+                ) -> list[dict]:
+    """Per part: forward and backward of one micro-batch (the replica layout's as its Pipe runs them), its
+    gradients' bytes, its optimizer step."""
+    opt = profile["optimizer"]
+    sf, sb = (1.0, 1.0) if t.layout == "stage" else _pipe_scale(profile, ctx, t, micro)
+    out = []
+    for j in range(nb_part):
+        blocks = _blocks_of(model["nlayers"], nb_part, j)
+        f, b = _bare(ctx, blocks, t, micro)
+        numel, _ = _part_params(model, blocks[0][1], j == 0, j == nb_part - 1)
+        out.append({"f": f * sf, "b": b * sb, "bytes": 4 * numel,
+                    "optimizer": sum(n * opt[k] for k, n in blocks)})
+    return out
+
+
+def _queues(layout: str, schedule: str, stages: int, pp: int, chunks: int, shared: bool) -> list[list[tuple]]:
+    """Each device's (or task's) ops in the order it runs them: (kind, stage, micro-batch). The replica layout's
+    Pipe runs every forward, then every backward (GPipe, clock by clock); parts that share a device share one
+    queue. The stage layout: a queue per task, torch.distributed.pipelining's order (stage_actions)."""
+    if layout == "replica":
+        fwd = sorted(((i + s, s, i) for s in range(stages) for i in range(chunks)))
+        bwd = sorted((((chunks - 1 - i) + (stages - 1 - s), s, i) for s in range(stages) for i in range(chunks)))
+        if shared:
+            return [[("F", s, i) for _, s, i in fwd] + [("B", s, i) for _, s, i in bwd]]
+        return [[("F", s, i) for _, q, i in fwd if q == s] + [("B", s, i) for _, q, i in bwd if q == s]
+                for s in range(stages)]
+    virtual = stages // pp
+    queues = []
+    for rank in range(pp):
+        seen: dict = {}
+        ops = []
+        for kind, k in stage_actions(schedule, pp, virtual, chunks, rank):
+            stage = rank + k * pp  # bench_stage.stage_ids: rank r holds stages r, r + pp, ...
+            i = seen[kind, stage] = seen.get((kind, stage), -1) + 1
+            ops.append((kind, stage, i))
+        queues.append(ops)
+    return queues
+
+
+def _simulate(queues: list[list[tuple]], duration: Callable[[str, int], float], delay: float, stages: int
+              ) -> tuple[float, dict]:
+    """Each queue runs its ops in order, an op as soon as its queue is free and its inputs are there: a forward
+    after the previous stage's forward of that micro-batch, a backward after its own forward and the next stage's
+    backward (plus `delay` where they come from another queue: a send). Returns the makespan and each op's end."""
+    owner = {s: q for q, ops in enumerate(queues) for _, s, _ in ops}
+    end: dict = {}
+    heads, free = [0] * len(queues), [0.0] * len(queues)
+    left = sum(len(ops) for ops in queues)
+    while left:
+        moved = False
+        for q, ops in enumerate(queues):
+            while heads[q] < len(ops):
+                kind, s, i = ops[heads[q]]
+                deps = ([("F", s - 1, i)] if kind == "F" and s > 0 else []) + (
+                    [("F", s, i)] + ([("B", s + 1, i)] if s < stages - 1 else []) if kind == "B" else [])
+                if any(d not in end for d in deps):
+                    break
+                ready = max((end[d] + (delay if owner[d[1]] != q else 0.0) for d in deps), default=0.0)
+                end[kind, s, i] = max(free[q], ready) + duration(kind, s)
+                free[q] = end[kind, s, i]
+                heads[q] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            stuck = [ops[h] for ops, h in zip(queues, heads) if h < len(ops)]
+            raise RuntimeError(f"pipeline schedule stalls at {stuck}")
+    return max(free), end
+
+
+def _allreduce_time(profile: dict, nbytes: float, replicas: int, across_nodes: bool) -> tuple[float, str | None]:
+    """One all-reduce of `nbytes` among `replicas` tasks: the profile's table (between nodes where the replicas
+    span nodes), scaled by a ring's 2(n-1)/n from the count it was timed with."""
+    tables = profile["allreduce"]
+    table = (tables.get("nodes") if across_nodes else None) or tables.get("node")
+    note = None
+    if across_nodes and table is tables.get("node"):
+        note = "the all-reduce between nodes was not profiled (one node): estimated from one node's"
+    if not table or not table.get("points"):
+        raise ProfileError("the profile timed no all-reduce (it ran as one task): take it with the tasks per node "
+                           "you train with (srun --ntasks-per-node=K ... benchmarks/speed_profile.py)")
+    n = table["tasks"]
+    ring = ((replicas - 1) / replicas) / ((n - 1) / n)
+    return _interpolate(table["points"], nbytes) * ring, note
+
+
+def _buckets(nbytes: int, first: bool) -> list[int]:
+    """DDP's buckets of one device's gradients (the model's last parameters fill the first, 1 MiB, bucket)."""
+    out, left = [], nbytes
+    while left > 0:
+        cap = DDP_FIRST_BUCKET_BYTES if first and not out else DDP_BUCKET_BYTES
+        out.append(min(cap, left))
+        left -= out[-1]
+    return out
+
+
+def _exposed_allreduce(profile: dict, ready: list[tuple[float, int]], makespan: float, replicas: int,
+                       across: bool, notes: list[str]) -> float:
+    """The all-reduce time the step waits for: buckets reduced one after the other as their gradients are ready
+    (`ready`: (time, bytes) per part, the last part first). A GPU reduces while it computes (its own stream);
+    a CPU's cores are the ones computing, so there none of it is hidden."""
+    done, total, first = 0.0, 0.0, True
+    for at, nbytes in sorted(ready):
+        for size in _buckets(nbytes, first):
+            cost, note = _allreduce_time(profile, size, replicas, across)
+            if note and note not in notes:
+                notes.append(note)
+            done, total, first = max(done, at) + cost, total + cost, False
+    return total if profile["device"] == "cpu" else max(0.0, done - makespan)
+
+
+def _step_residual(profile: dict, model: dict, t: "Training", tasks: int, threads: int | None) -> float:
+    """The replica layout's fixed cost per step that its parts do not show: one real step of the whole model
+    (speed_profile.time_replica_step: DDP, the Pipe, AdamW, the stop flag) less its blocks, its optimizer and the
+    engine's own cost; scaled by the gradients' bytes where the plan's model has more or fewer layers."""
+    steps = profile.get("replica_step") or []
+    if not steps:
+        return 0.0
+    rec, _ = _nearest(steps, profile, tasks, threads)
+    plain = replace(t, precision="fp32", activation_checkpointing=False)
+    ctx, _ = _context(profile, rec["tasks"], rec.get("threads"))
+    measured_model = dict(model, nlayers=rec["nlayers"])
+    (part,) = _part_costs(profile, ctx, measured_model, plain, 1, rec["micro"])
+    engine = profile["engine"]
+    rest = rec["step_s"] - part["f"] - part["b"] - part["optimizer"] - engine["per_step_s"] \
+        - engine["per_micro_batch_part_s"]
+    bytes_now = sum(p["bytes"] for p in _part_costs(profile, ctx, model, plain, 1, 1))
+    return max(0.0, rest) * (bytes_now / part["bytes"] if rec["replicas"] > 1 else 1.0)
+
+
+def predict_speed(profile: dict, model: dict, t: "Training", nb_part: int, replicas: int, tasks_per_node: int,
+                  nodes: int = 1, threads: int | None = None) -> dict:
+    """Step time and samples/s of one split (model: the model's arguments with batch_size and chunks; nb_part: the
+    replica's parts, or --pp in the stage layout; threads: a CPU task's, default the trainer's), with the terms
+    that add up to it (SPEED_TERMS)."""
+    stage = t.layout == "stage"
+    chunks, batch = model["chunks"], model["batch_size"]
+    pp = nb_part if stage else 1
+    stages = nb_part * (stages_per_rank(t.schedule, t.virtual_stages) if stage else 1)
+    micro = batch / chunks
+    ctx, slower = _context(profile, tasks_per_node, threads)
+    parts = _part_costs(profile, ctx, model, t, stages, micro)
+    engine = profile.get("stage_engine") if stage else profile["engine"]
+    notes: list[str] = []
+    if engine is None:
+        notes.append("the stage layout's engine was not profiled (one task, or torch < 2.4): its cost per micro-batch "
+                     "is left out")
+        engine = {"per_step_s": 0.0, "per_micro_batch_stage_s": 0.0}
+    # the replica layout's hand-off as measured with the real model in the same context, where it was
+    real = None if stage else (ctx.get("engine") or {}).get("per_micro_batch_part_s")
+    per_op = (engine.get("per_micro_batch_stage_s") if stage else
+              real if real is not None else engine["per_micro_batch_part_s"]) / 2
+    shared = not stage and (profile["device"] == "cpu" or bool(t.devices and len(set(t.devices)) < len(t.devices)))
+    queues = _queues(t.layout, t.schedule, stages, pp, chunks, shared)
+    act = micro * model["seq_len"] * model["d_model"] * 4  # a micro-batch's activations between stages, fp32
+    # the engine's cost already holds a send of its tiny activation: the delay is what a larger one adds
+    p2p = profile.get("p2p") if stage else None
+    delay = max(0.0, _interpolate(p2p, act) - p2p[0][1]) if p2p else 0.0
+    compute = lambda kind, s: parts[s]["f" if kind == "F" else "b"] * slower  # noqa: E731
+    bare, _ = _simulate(queues, lambda k, s: compute(k, s) + per_op, 0.0, stages)
+    makespan, end = _simulate(queues, lambda k, s: compute(k, s) + per_op, delay, stages)
+    busy = max(queues, key=lambda ops: sum(compute(k, s) for k, s, _ in ops))
+    work, overhead = sum(compute(k, s) for k, s, _ in busy), per_op * len(busy) + engine["per_step_s"]
+    comm = makespan - bare
+    residual = 0.0 if stage else _step_residual(profile, model, t, tasks_per_node, threads)
+    if replicas > 1:
+        ready = [(max(v for (k, s, _), v in end.items() if k == "B" and s == j), parts[j]["bytes"])
+                 for j in reversed(range(stages))]
+        per_node = tasks_per_node // pp if stage else tasks_per_node
+        across = nodes > 1 and replicas > per_node
+        groups = [[r] for r in ready] if stage else [ready]  # a stage layout's stages reduce at the same time
+        exposed = [_exposed_allreduce(profile, g, makespan, replicas, across, notes) for g in groups]
+        if stage or not residual:
+            comm += max(exposed)
+        else:  # the all-reduce as it ran in the real step, less what the backward hides on a GPU
+            full = _exposed_allreduce(dict(profile, device="cpu"), ready, makespan, replicas, across, [])
+            comm += residual * (exposed[0] / full if full else 1.0)
+    elif residual:
+        overhead += residual
+    optimizer = (max(sum(parts[s]["optimizer"] for s in {s for _, s, _ in ops}) for ops in queues)
+                 if stage else sum(p["optimizer"] for p in parts))
+    if t.zero and replicas > 1:  # each replica steps its share, then broadcasts it: about half an all-reduce
+        share = sum(p["bytes"] for p in parts) / (pp if stage else 1)
+        optimizer = optimizer / replicas + _allreduce_time(profile, share, replicas, replicas > tasks_per_node)[0] / 2
+    terms = {"compute": work, "bubble": bare - work - per_op * len(busy), "per_micro_batch": overhead,
+             "communication": comm, "optimizer": optimizer}
+    terms["bubble"] = max(0.0, terms["bubble"]) if terms["bubble"] > -1e-9 else terms["bubble"]  # rounding only
+    step = sum(terms.values())
+    return {"step_s": step, "samples_per_s": batch * replicas / step, "terms": terms, "notes": notes}
 
 
 # ======================================================================================================================
@@ -4989,18 +5303,31 @@ def _advise_rows(layout: str, m: dict, nb_part: int, replicas: int, tpn: int, pr
     return rows
 
 
-def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str, global_batch: int) -> str:
+def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str, global_batch: int,
+                profile: dict | None = None) -> str:
+    ranked = (f"fastest first, by the samples/s predicted from the profile ({profile['key']['gpu']}, torch "
+              f"{profile['key']['torch']}, taken {profile.get('taken', '?')}; terms in ms per step)" if profile else
+              "fewest GPUs per replica (or pipeline) first, then by bubble (no speed is predicted without "
+              "--profile FILE: benchmarks/speed_profile.py takes one in a minute, docs/speed.md)")
     lines = [f"check_topology --advise: {nodes} node(s) x {gpn} GPU(s) of {gib:.1f} GiB ({source}), global batch "
-             f"{global_batch}: {len(rows)} split(s) fit, fewest GPUs per replica (or pipeline) first, then by bubble; "
-             "layout replica is bench_ddp_transformer.py (nb_part GPUs a task), stage is bench_stage.py (a task a "
-             "GPU, nb_part = --pp)",
+             f"{global_batch}: {len(rows)} split(s) shown that fit, {ranked}; layout replica is "
+             "bench_ddp_transformer.py (nb_part GPUs a task), stage is bench_stage.py (a task a GPU, nb_part = --pp)",
              f"  {'layout':7} {'tasks/node':>10} {'nb_part':>7} {'replicas':>8} {'batch':>5} {'chunks':>6} "
-             f"{'precision':9} {'ckpt':4} {'zero':4} {'peak GiB':>8} {'bubble':>6}"]
+             f"{'precision':9} {'ckpt':4} {'zero':4} {'peak GiB':>8} {'bubble':>6}"
+             + (f" {'samples/s':>9}  compute / bubble / per-micro-batch / communication / optimizer" if profile
+                else "")]
     for r in rows:
+        speed = ""
+        if profile:
+            terms = r.get("terms_ms")
+            speed = (f" {r['samples_per_s']:>9.1f}  " + " / ".join(f"{terms[k]:.1f}" for k in SPEED_TERMS)
+                     if terms else f" {'-':>9}  {r.get('why', '')}")
         lines.append(f"  {r['layout']:7} {r['ntasks_per_node']:>10} {r['nb_part']:>7} {r['replicas']:>8} "
                      f"{r['batch_size']:>5} {r['chunks']:>6} {r['precision']:9} "
                      f"{'yes' if r['activation_checkpointing'] else 'no':4} {'yes' if r['zero'] else 'no':4} "
-                     f"{r['peak_gib']:>8.2f} {r['bubble']:>6.1%}")
+                     f"{r['peak_gib']:>8.2f} {r['bubble']:>6.1%}" + speed)
+    notes = sorted({n for r in rows for n in r.get("notes", [])})
+    lines += [f"  note: {n}" for n in notes]
     if not rows:
         lines.append("  nothing fits: use more GPUs, a smaller model (--nlayers, --d-model, --seq-len) or a smaller "
                      "global batch")
@@ -5280,13 +5607,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="memory of one GPU (default: from -C/-p, or the allocation's GPUs)")
     mem.add_argument("--advise", action="store_true",
                      help="list every split of --nodes x --gpus-per-node that fits, for --global-batch")
-    mem.add_argument("--global-batch", type=int, help="--advise: samples per step over all replicas")
+    mem.add_argument("--global-batch", help="--advise: samples per step over all replicas (several: 256,512)")
+    mem.add_argument("--profile", metavar="FILE", help="--advise: rank the splits by the samples/s predicted from "
+                     "this profile (benchmarks/speed_profile.py, taken in the allocation: docs/speed.md)")
+    mem.add_argument("--top", type=int, metavar="K", help="--advise: the first K splits only")
+    mem.add_argument("--commands", action="store_true", help="--advise: each split as the line that runs it: "
+                     "tasks per node, the trainer, its arguments (the sweep's predict mode reads them)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
 
 def advise_main(args: argparse.Namespace, t: Training) -> int:
-    """--advise: every split that fits, from planning flags alone."""
+    """--advise: every split that fits, from planning flags alone; with --profile ranked by predicted speed."""
     job = Job(nodes=args.nodes, gpus_per_node=args.gpus_per_node, constraint=args.constraint,
               partition=args.partition, gpu_mem=args.gpu_mem)
     ntype = node_type(job)
@@ -5298,20 +5630,90 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
     if missing:
         raise UsageError(f"--advise needs {', '.join(missing)}; e.g. --advise --nodes 3 --gpus-per-node 4 "
                          "-C v100-32g --global-batch 384")
-    if args.global_batch < 1 or job.nodes < 1 or gpn < 1:
-        raise UsageError(f"--nodes ({job.nodes}), --gpus-per-node ({gpn}) and --global-batch ({args.global_batch}) "
-                         "must be at least 1")
-    rows = advise(job.nodes, gpn, gib, model_args(t), args.global_batch, is_v100(job))
-    print(json.dumps(rows, indent=1) if args.json else
-          advise_text(rows, job.nodes, gpn, gib, source, args.global_batch))
+    batches = global_batches(args.global_batch)
+    if job.nodes < 1 or gpn < 1:
+        raise UsageError(f"--nodes ({job.nodes}) and --gpus-per-node ({gpn}) must be at least 1")
+    if args.top is not None and args.top < 1:
+        raise UsageError(f"--top {args.top} must be at least 1, e.g. --top 3")
+    profile = None
+    if args.profile:
+        try:
+            profile = read_profile(args.profile)
+        except ProfileError as exc:
+            raise UsageError(str(exc)) from None
+        mismatch = profile_mismatch(profile, t.model)  # the values given on the command line
+        taken_on = profile["key"].get("node_type")
+        if taken_on and ntype and taken_on != ntype:
+            mismatch = (f"it was taken on {taken_on} nodes and the plan is for {ntype}: a profile's times hold for "
+                        "its node type only; take one there (docs/speed.md)")
+        if mismatch:
+            raise UsageError(f"--profile {args.profile}: {mismatch}")
+        # what the command line does not give is the profile's model: the one it was taken with
+        t.model = {**profile["key"]["model"], **t.model}
+        t.nlayers = t.nlayers or profile["key"].get("nlayers")
+    model = model_args(t)
+    rows = [r for batch in batches for r in advise(job.nodes, gpn, gib, model, batch, is_v100(job))]
+    if profile:
+        rows = rank_by_speed(rows, profile, model, job.nodes)
+    rows = rows[:args.top] if args.top else rows
+    if args.commands:
+        print("\n".join(f"{r['ntasks_per_node']} {SCRIPTS[r['layout']]} {shlex.join(trainer_argv(r, model))}"
+                        for r in rows))
+    else:
+        print(json.dumps(rows, indent=1) if args.json else
+              advise_text(rows, job.nodes, gpn, gib, source, args.global_batch, profile))
     return 0 if rows else 1
+
+
+def global_batches(text: str) -> list[int]:
+    """--global-batch 512, or several: 256,512."""
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        raise UsageError(f"--global-batch {text!r} must be a number of samples, or several separated by commas: "
+                         "--global-batch 256,512") from None
+    if min(values) < 1:
+        raise UsageError(f"--global-batch {text} must be at least 1")
+    return values
+
+
+def trainer_argv(row: dict, model: dict) -> list[str]:
+    """The trainer's arguments that run an --advise row (its script: SCRIPTS[row["layout"]])."""
+    argv = [f"--{k.replace('_', '-')}={_show(model[k])}" for k in ("nlayers", *PROFILE_MODEL)]
+    argv += (["--nb-part", str(row["nb_part"])] if row["layout"] == "replica" else
+             ["--pp", str(row["nb_part"]), "--schedule", row["schedule"]])
+    argv += ["--chunks", str(row["chunks"]), "--batch-size", str(row["batch_size"])]
+    argv += ["--precision", row["precision"]] if row["precision"] != "fp32" else []
+    argv += ["--activation-checkpointing"] * bool(row["activation_checkpointing"]) + ["--zero"] * bool(row["zero"])
+    return argv
+
+
+def rank_by_speed(rows: list[dict], profile: dict, model: dict, nodes: int) -> list[dict]:
+    """--advise's rows with the samples/s predicted from the profile and its terms (ms), fastest first; a row the
+    profile cannot predict (a precision it did not time) goes last, with the reason."""
+    for r in rows:
+        t = Training(layout=r["layout"], pp=r["nb_part"], schedule=r["schedule"], precision=r["precision"],
+                     activation_checkpointing=r["activation_checkpointing"], zero=r["zero"])
+        m = dict(model, batch_size=r["batch_size"], chunks=r["chunks"])
+        try:
+            guess = predict_speed(profile, m, t, r["nb_part"], r["replicas"], r["ntasks_per_node"], nodes)
+        except ProfileError as exc:
+            r.update(samples_per_s=None, why=str(exc))
+            continue
+        r.update(samples_per_s=round(guess["samples_per_s"], 1), step_ms=round(guess["step_s"] * 1e3, 2),
+                 terms_ms={k: round(v * 1e3, 2) for k, v in guess["terms"].items()}, notes=guess["notes"])
+    return sorted(rows, key=lambda r: -(r["samples_per_s"] or -1))
 
 PLANNING = ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_task", "gpu_bind", "cpus_per_task",
             "partition", "constraint")
 
 
 def planning_counts(args: argparse.Namespace) -> None:
-    """The planning flags' counts within what a node and Jean Zay have (COUNT_LIMITS), in one line."""
+    """The planning flags' counts within what a node and Jean Zay have (COUNT_LIMITS), in one line; --advise's own
+    flags only with --advise."""
+    if (args.profile or args.top is not None or args.commands) and not args.advise:
+        raise UsageError("--profile, --top and --commands go with --advise, e.g. --advise --profile profile.json "
+                         "--nodes 2 --gpus-per-node 4 --gpu-mem 32 --global-batch 256")
     for name in ("nodes", "gpus_per_node", "ntasks_per_node", "ntasks", "gpus_per_task", "cpus_per_task"):
         flag = name.replace("_", "-")
         value = getattr(args, name, None)

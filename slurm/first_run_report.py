@@ -80,7 +80,7 @@ def gib(value: float | None) -> str:
 def run_rows(folder: Path, status: list[tuple[str, int, int]]) -> tuple[list[str], int]:
     runs, failed, lines = records(folder / "runs.jsonl"), 0, []
     for name, code, tasks in status:
-        if name in ("gpu_check", "memory_gpu"):
+        if name in ("gpu_check", "memory_gpu", "profile"):
             continue
         log = (folder / f"{name}.log").read_text(errors="replace") if (folder / f"{name}.log").exists() else ""
         rec = record_of(name, runs) if not name.startswith("check_") else None
@@ -128,10 +128,29 @@ def benchmark_lines(folder: Path, status: list[tuple[str, int, int]]) -> tuple[l
     return out, failed
 
 
+def profile_lines(folder: Path, status: list[tuple[str, int, int]]) -> tuple[list[str], int]:
+    """The speed profile's step, and the splits its predictions put first (advise.txt)."""
+    codes = {name: code for name, code, _ in status}
+    if "profile" not in codes:
+        return [], 0
+    if codes["profile"] != 0:
+        log = (folder / "profile.log").read_text(errors="replace") if (folder / "profile.log").exists() else ""
+        error = first_error(log)
+        return [f"- `profile` failed (exit {codes['profile']})" + (f": `{error[0]}`; probable cause: {error[1]}"
+                                                                   if error else "")], 1
+    advice = (folder / "advise.txt").read_text(errors="replace").splitlines() if (folder / "advise.txt").exists() \
+        else []
+    return [f"- `profile`: {folder.name}/profile.json; the splits it predicts fastest "
+            "(`check_topology.py --advise --profile`, measure them with the sweep's MODE=predict):", "", "```",
+            *advice[:12], "```", ""], 0
+
+
 def report(folder: Path) -> tuple[str, int]:
     status = read_status(folder)
     rows, failed = run_rows(folder, status)
     bench, bench_failed = benchmark_lines(folder, status)
+    speed, speed_failed = profile_lines(folder, status)
+    bench, bench_failed = speed + bench, bench_failed + speed_failed
     text = [f"# First run: {folder.name}", "",
             "| run | tasks | layout | samples/s | peak GPU GiB | estimate GiB | |",
             "| --- | ---: | --- | ---: | ---: | ---: | --- |", *rows, "", *bench]

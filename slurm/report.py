@@ -3,11 +3,14 @@
 
     python slurm/report.py sweep_results.jsonl                 # writes report/sweep.md, .csv, throughput.png
     python slurm/report.py results.jsonl --out report --title "4 x V100"
+    python slurm/report.py sweep_results.jsonl --profile profile.json     # predicted against measured too
 
 Reads the JSON lines bench_ddp_transformer.py --json-out appends (one per run). Runs of the same
 configuration (split, batch, chunks, --precision, --activation-checkpointing, --zero) are merged (median
 samples/s); memory stands beside throughput: measured peak and the start-up estimate. matplotlib is optional:
-without it the tables are still written and the report says why there is no plot.
+without it the tables are still written and the report says why there is no plot. With --profile (written by
+benchmarks/speed_profile.py in the same allocation) each configuration also gets the samples/s check_topology's
+speed model predicts for it, and the table marks where the predicted order was wrong.
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import check_topology as ct  # noqa: E402  (torch-free: the speed model)
 
 KEY = ("device", "gpus", "tasks", "nb_part", "batch_per_gpu", "batch_size", "chunks", "layout", "precision",
        "activation_checkpointing", "zero")
@@ -84,11 +90,68 @@ def merge(records: list[dict]) -> list[dict]:
         row.update(runs=len(runs), kind=kind(row["tasks"], row["nb_part"], row["layout"]), samples_per_s=med("samples_per_s"),
                    epoch_time_s=med("epoch_time_s"), peak_gpu_mem_gb=med("peak_gpu_mem_gb"),
                    host_rss_gb=med("host_rss_gb"), estimated_mem_gb=med("estimated_mem_gb"),
-                   test_acc=med("test_acc"), engine=runs[-1].get("engine"), torch=runs[-1].get("torch"))
+                   test_acc=med("test_acc"), engine=runs[-1].get("engine"), torch=runs[-1].get("torch"),
+                   record=runs[-1])
         rows.append(row)
     rows.sort(key=lambda r: (r["device"], r["gpus"], r["layout"], r["tasks"], r["batch_per_gpu"], r["chunks"],
                              r["precision"], r["activation_checkpointing"], r["zero"]))
     return rows
+
+
+MODEL_FIELDS = ("nlayers", "d_model", "n_head", "d_hid", "dropout", "seq_len", "vocab_size")
+
+
+def predict(row: dict, profile: dict) -> float | str:
+    """check_topology's predicted samples/s for a merged row, from the configuration its run recorded; or why not."""
+    rec = row["record"]
+    try:
+        stage = row["layout"] == "stage"
+        t = ct.Training(layout=row["layout"], pp=int(rec.get("pp") or 2), schedule=rec.get("schedule") or "1f1b",
+                        precision=row["precision"], activation_checkpointing=bool(row["activation_checkpointing"]),
+                        zero=bool(row["zero"]))
+        model = {k: rec[k] for k in MODEL_FIELDS} | {"batch_size": row["batch_size"], "chunks": row["chunks"]}
+        guess = ct.predict_speed(profile, model, t, t.pp if stage else row["nb_part"], int(rec["replicas"]),
+                                 int(rec["tasks_per_node"]), int(rec.get("nodes") or 1))
+    except (KeyError, TypeError, ValueError) as exc:  # ProfileError is a ValueError
+        return f"not predicted ({type(exc).__name__}: {exc})"
+    return guess["samples_per_s"]
+
+
+def ranked(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=lambda i: -values[i])
+    out = [0] * len(values)
+    for place, i in enumerate(order, 1):
+        out[i] = place
+    return out
+
+
+def predicted_markdown(rows: list[dict], profile: dict) -> str:
+    """Predicted against measured, fastest measured first; a mark where the predicted order put a row elsewhere."""
+    done = [(r, predict(r, profile)) for r in rows if r["samples_per_s"]]
+    ok = [(r, p) for r, p in done if isinstance(p, float)]
+    out = ["## Predicted against measured", "",
+           f"Profile: {profile['key']['gpu']}, torch {profile['key']['torch']}, taken {profile.get('taken', '?')}. "
+           "Ranks are over the configurations measured here; a mark means the model ranked it elsewhere.", "",
+           "| configuration | predicted samples/s | measured (median) | runs | error | predicted rank "
+           "| measured rank |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    pred_rank, meas_rank = ranked([p for _, p in ok]), ranked([r["samples_per_s"] for r, _ in ok])
+    order = sorted(range(len(ok)), key=lambda i: meas_rank[i])
+    for i in order:
+        r, p = ok[i]
+        name = (f"{r['kind']}, {r['tasks']} task(s) x nb_part {r['nb_part']}, batch {r['batch_size']}/replica, "
+                f"chunks {r['chunks']}" + (f", {options(r)}" if options(r) else ""))
+        mark = "" if pred_rank[i] == meas_rank[i] else " **wrong**"
+        out.append(f"| {name} | {p:.1f} | {r['samples_per_s']:.1f} | {r['runs']} | "
+                   f"{(p - r['samples_per_s']) / r['samples_per_s']:+.0%} | {pred_rank[i]}{mark} | {meas_rank[i]} |")
+    out += [f"- {r['kind']}, nb_part {r['nb_part']}, chunks {r['chunks']}: {p}" for r, p in done
+            if not isinstance(p, float)]
+    if ok:
+        best = max(ok, key=lambda rp: rp[1])[0]
+        top = max(r["samples_per_s"] for r, _ in ok)
+        out += ["", f"The predicted fastest measured {best['samples_per_s']:.1f} samples/s, "
+                f"{1 - best['samples_per_s'] / top:.1%} below the fastest measured ({top:.1f})."]
+    return "\n".join(out) + "\n"
 
 
 def fmt(v: object, spec: str = "") -> str:
@@ -189,7 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", type=Path, help="JSONL files written by --json-out")
     p.add_argument("--out", type=Path, default=Path("report"), help="output folder (default: report/)")
     p.add_argument("--title", default="Hybrid pipeline + data parallel benchmark")
+    p.add_argument("--profile", help="a profile (benchmarks/speed_profile.py): predicted samples/s beside measured")
     args = p.parse_args(argv)
+    try:
+        profile = ct.read_profile(args.profile) if args.profile else None
+    except ct.ProfileError as exc:
+        print(f"report.py: {exc}", file=sys.stderr)
+        return 2
     records, problems = load(args.results)
     for msg in problems:
         print(msg, file=sys.stderr)
@@ -199,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = merge(records)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sweep.md").write_text(markdown(rows, args.title) + "\n")
+    text = markdown(rows, args.title) + ("\n" + predicted_markdown(rows, profile) if profile else "")
+    (args.out / "sweep.md").write_text(text + "\n")
     write_csv(rows, args.out / "sweep.csv")
     why = plot(rows, args.out / "throughput.png", args.title)
-    print(markdown(rows, args.title))
+    print(text)
     print(f"wrote {args.out / 'sweep.md'}, {args.out / 'sweep.csv'}"
           + (f"; no plot: {why}" if why else f", {args.out / 'throughput.png'}"))
     return 0

@@ -12,11 +12,47 @@
 #   ZERO           off on (--zero; skipped for one replica, whose optimizer state has nobody to share it with)
 #   MODEL          the model's arguments, for the checker (will it fit?) and the trainer (default "--nlayers 16")
 #   EXTRA          the trainer's other arguments (e.g. "--data-dir $DSDIR/IMDB")
+#   MODE           all (the default: every combination above), or predict: profile the node first
+#                  (benchmarks/speed_profile.py, one step of the most tasks in COUNTS, to $PROFILE), rank every split
+#                  that fits at the global batches BATCH_PER_GPU x GPUS by predicted samples/s (check_topology.py
+#                  --advise --profile), then measure only the TOP (default 3) and the page's own configuration
+#                  (nb_part 2, the trainer's defaults), REPEATS (default 3) times each, the repeats interleaved;
+#                  then: python slurm/report.py $RESULTS --profile $PROFILE   (predicted against measured);
+#                  PROFILE_OPTIONS: the profile's own options (e.g. --max-micro 128)
 # Needs GPUS, CORES (per node) and WHERE (the checker's -C or -p, for the GPU's memory) from the template.
 # Every run appends one line to $RESULTS.
 RESULTS=${RESULTS:-sweep_results.jsonl}
 EPOCHS=${EPOCHS:-1}
 MODEL=${MODEL-"--nlayers 16"}
+if [ "${MODE:-all}" = predict ]; then
+  PROFILE=${PROFILE:-${RESULTS%.jsonl}.profile.json}
+  most=0
+  for n in $COUNTS; do [ "$n" -gt "$most" ] && most=$n; done
+  echo "profile: $most task(s) -> $PROFILE"
+  # shellcheck disable=SC2086
+  launch "$most" $(( CORES >= most ? CORES / most : 1 )) benchmarks/speed_profile.py --out "$PROFILE" $MODEL \
+    ${PROFILE_OPTIONS:-} < /dev/null || { echo "profile failed: nothing predicted"; return 1 2>/dev/null || exit 1; }
+  batches=""
+  for per_gpu in $BATCH_PER_GPU; do batches="$batches,$(( per_gpu * GPUS ))"; done
+  # the splits to measure, a line each: tasks per node, the trainer, its arguments (the checker's own mapping)
+  # shellcheck disable=SC2086
+  if ! plan=$("${PYTHON:-python}" check_topology.py --advise --profile "$PROFILE" --nodes 1 --gpus-per-node "$GPUS" \
+                $WHERE $MODEL --global-batch "${batches#,}" --top "${TOP:-3}" --commands); then
+    echo "predict: no split fits: $plan"; return 1 2>/dev/null || exit 1
+  fi
+  echo "$plan" | sed 's/^/predicted best: /'
+  plan="$plan
+$(( GPUS >= 2 ? GPUS / 2 : 1 )) bench_ddp_transformer.py $MODEL --nb-part $(( GPUS >= 2 ? 2 : 1 ))"  # the page's own
+  for rep in $(seq "${REPEATS:-3}"); do
+    while read -r n script args; do
+      echo "run $rep: ntasks=$n $script $args"
+      # shellcheck disable=SC2086
+      launch "$n" $(( CORES >= n ? CORES / n : 1 )) "$script" $args $EXTRA --epochs "$EPOCHS" \
+             --json-out "$RESULTS" < /dev/null || echo "failed: ntasks=$n $script $args (see the .err file)"
+    done <<< "$plan"
+  done
+  COUNTS=""  # the full sweep below is not run
+fi
 for ntasks in $COUNTS; do
   cpus=$(( CORES >= ntasks ? CORES / ntasks : 1 ))
   nb_part=$(( GPUS / ntasks ))

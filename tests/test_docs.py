@@ -171,6 +171,9 @@ COVERED = [
     (r"^slurm/sweep_steps\.sh\b", "tests/test_slurm.py::test_sweep_runs_every_count_as_a_step_of_one_job"),
     (r"^slurm/sweep_local\.sh\b", "tests/test_report.py::test_local_sweep_end_to_end"),
     (r"^python tests/local_slurm\.py (start|stop)\b", "tests/test_slurm.py::test_cluster_stops_without_leftovers"),
+    (r"^srun\b.*\bpython benchmarks/speed_profile\.py\b",
+     "tests/test_speed.py::test_the_profile_holds_what_the_model_reads"),
+    (r"^MODE=predict sbatch\b", "tests/test_slurm.py::test_sweep_predict_mode_measures_the_predicted_best"),
 ]
 # A placeholder in a command, and what the test runs in its place.
 PLACEHOLDERS = {"job.slurm": "slurm/page_3nodes_4gpus.slurm"}

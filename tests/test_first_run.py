@@ -30,7 +30,8 @@ def test_first_run_on_one_node(slurm_cluster, tmp_path):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, target)
     # the CPU defaults, given: the pre-flight check would judge the GPU defaults, which the CPU fallback does not run
     env = clean_env(**slurm_cluster.env, STEPS="4", MODEL="--nlayers 4 --d-model 64 --n-head 4 --d-hid 128 "
-                    "--seq-len 64 --vocab-size 2000 --chunks 2 --batch-size 32")
+                    "--seq-len 64 --vocab-size 2000 --chunks 2 --batch-size 32",
+                    PROFILE_OPTIONS="--max-micro 8 --repeats 2 --precisions fp32")
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env["BASH_FUNC_module%%"] = "() {  :\n}"  # `module` is a no-op, as if Lmod had loaded PyTorch
     r = subprocess.run(["sbatch", "--wait", "--parsable", "slurm/first_run.slurm"], cwd=tmp_path, env=env,
@@ -42,8 +43,8 @@ def test_first_run_on_one_node(slurm_cluster, tmp_path):
     assert r.returncode == 0, f"sbatch: {r.stderr}\n{out[-3000:]}\n{logs}"
     status = {name: code for name, code, _ in first_run_report.read_status(folder)}
     assert status == {"check_replica_1x4": 0, "replica_1x4": 0, "check_replica_2x2": 0, "replica_2x2": 0,
-                      "check_replica_4x1": 0, "replica_4x1": 0, "check_stage": 0, "stage": 0, "gpu_check": 2,
-                      "memory_gpu": 2}, status
+                      "check_replica_4x1": 0, "replica_4x1": 0, "check_stage": 0, "stage": 0, "profile": 0,
+                      "gpu_check": 2, "memory_gpu": 2}, status
     runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
     got = sorted((x["layout"], x["tasks_per_node"], x["nb_part"]) for x in runs)
     assert got == [("replica", 1, 4), ("replica", 2, 2), ("replica", 4, 1), ("stage", 4, 2)], got  # pp 2
@@ -53,7 +54,9 @@ def test_first_run_on_one_node(slurm_cluster, tmp_path):
     for run in ("replica_1x4", "replica_2x2", "replica_4x1", "stage"):
         assert re.search(rf"^\| {run} \| \d \| .+ \| \d+\.\d \| - \| (-|[\d.]+) \| ok \|$", report, re.M), report
     assert "`gpu_check`: not run: no CUDA GPU" in report and "`memory_gpu`: not run: no CUDA GPU" in report
-    assert "10 step(s), 0 failed: every run ran" in report
+    assert "11 step(s), 0 failed: every run ran" in report
+    # the profile's step, and the splits it ranks first, in the report (fastest first, samples/s and terms)
+    assert f"`profile`: first_run_{job}/profile.json" in report and "fastest first, by the samples/s" in report
     # each run's tasks got the cores the step asked (-c): 40 cores of the node / tasks
     asked = sorted(set(re.findall(r"^\++ srun --ntasks-per-node=(\d) -n \d -c (\d+) python bench",
                                   (tmp_path / f"first_run_{job}.err").read_text(), re.M)))

@@ -213,6 +213,42 @@ def test_sweep_runs_every_count_as_a_step_of_one_job(slurm_cluster, workdir):
     assert "skip: ntasks=1 --zero (one replica: nothing to shard)" in out
 
 
+def test_sweep_predict_mode_measures_the_predicted_best(slurm_cluster, workdir):
+    """MODE=predict: the profile as a step of the allocation, every split that fits ranked by check_topology.py
+    --advise --profile, the best TOP and the page's own configuration measured REPEATS times each; report.py puts
+    predicted beside measured, and --advise --profile reads the profile the job took."""
+    for folder, names in (("slurm", ("sweep_steps.sh", "sweep_4gpus.slurm", "report.py")),
+                          ("benchmarks", ("speed_profile.py",))):
+        (workdir / folder).mkdir()
+        for name in names:
+            shutil.copy(ROOT / folder / name, workdir / folder)
+    model = "--nlayers 2 --d-model 32 --n-head 2 --d-hid 64 --seq-len 32 --vocab-size 500"
+    r = run(["sbatch", "--wait", "--parsable", "slurm/sweep_4gpus.slurm"], slurm_cluster, workdir, timeout=900,
+            MODE="predict", TOP="2", REPEATS="2", BATCH_PER_GPU="4", MODEL=model,
+            PROFILE_OPTIONS="--max-micro 8 --repeats 2 --precisions fp32",
+            EXTRA=f"--synthetic 320 --max-steps 8 --cache-dir {workdir}")
+    job = r.stdout.strip().split(";")[0]
+    out, err = read_job_files(workdir, "sweep_4gpus", job) if job else ("", r.stderr)
+    assert r.returncode == 0, f"sbatch: {r.stderr}\n--- out\n{out[-3000:]}\n--- err\n{err[-3000:]}"
+    assert "profile: 4 task(s) -> sweep_results.profile.json" in out and "failed:" not in out, out + err[-3000:]
+    best = re.findall(r"^predicted best: (\d) (bench_\w+\.py) (.*)$", out, re.M)
+    assert len(best) == 2, out
+    records = [json.loads(line) for line in (workdir / "sweep_results.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * 2 and {x["job_id"] for x in records} == {job}  # (TOP + the page's) x REPEATS
+    assert sum(x["tasks_per_node"] == 2 and x["nb_part"] == 2 for x in records) >= 2  # the page's own, twice
+    report = subprocess.run([sys.executable, "slurm/report.py", "sweep_results.jsonl", "--profile",
+                             "sweep_results.profile.json", "--out", "rep"], cwd=workdir, capture_output=True,
+                            text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \| 2 \| [+-]\d+% \| (\d)(?: \*\*wrong\*\*)? \| (\d) \|$",
+                      report.stdout, re.M)
+    assert len(rows) in (2, 3), report.stdout  # the page's own may be one of the best
+    advise = run([sys.executable, "check_topology.py", "--advise", "--profile", "sweep_results.profile.json",
+                  "--nodes", "1", "--gpus-per-node", "4", "-C", "v100-32g", "--global-batch", "16", "--top", "2"],
+                 slurm_cluster, workdir)
+    assert advise.returncode == 0 and "fastest first, by the samples/s predicted" in advise.stdout, advise
+
+
 def test_cluster_stops_without_leftovers(tmp_path_factory):
     """A second cluster, started and stopped here: its daemons are gone and /etc/hosts is as before."""
     from conftest import skip_or_fail

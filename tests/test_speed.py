@@ -1,0 +1,222 @@
+"""The speed model (check_topology I.7) and its profile (benchmarks/speed_profile.py).
+
+Pure: the pipeline simulation against the closed forms it must reduce to, the terms adding up, the profile's
+refusals, --advise --profile on the command line. Real: a profile of a tiny model taken by two processes (gloo), and
+the ranking of three clearly different splits against the trainer's own measured runs. How good the model is on a
+grid of 32 splits is benchmarks/speed_grid.py's job (docs/speed.md), not a test's: timings on a shared machine are
+noisy.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT, TORCH, bench, clean_env
+
+import check_topology as ct
+
+TINY = ["--nlayers", "2", "--d-model", "32", "--n-head", "2", "--d-hid", "64", "--seq-len", "32",
+        "--vocab-size", "500", "--dropout", "0"]
+
+
+def linear_profile(device: str = "cuda", tasks: int = 2, f_ms: float = 1.0, b_ms: float = 2.0) -> dict:
+    """A made-up profile whose Layer costs f_ms + b_ms per sample and whose other costs are nil, so that the model
+    must give the closed forms."""
+    points = lambda f, b: [[m, f * m / 1e3, b * m / 1e3] for m in (1, 2, 4, 8, 16, 32, 64)]  # noqa: E731
+    blocks = {f"{k}|{p}|{c}": points(*((f_ms, b_ms) if k == "Layer" else (0.0, 0.0)))
+              for k in ("Encoder", "Layer", "Decoder") for p in ("fp32", "bf16") for c in (0, 1)}
+    return {"format": ct.PROFILE_FORMAT, "device": device, "key": {"gpu": "test", "torch": "0", "model": {}},
+            "compute": [{"tasks": tasks, "threads": None if device == "cuda" else 1, "nlayers": 4, "blocks": blocks}],
+            "optimizer": {"Encoder": 0.0, "Layer": 0.0, "Decoder": 0.0},
+            "engine": {"per_step_s": 0.0, "per_micro_batch_part_s": 0.0},
+            "stage_engine": {"per_step_s": 0.0, "per_micro_batch_stage_s": 0.0},
+            "allreduce": {"node": {"tasks": tasks, "points": [[1, 0.0], [2 ** 30, 0.0]]}}, "p2p": None}
+
+
+MODEL = dict(ct.CPU_DEFAULTS, nlayers=4)
+
+
+def step(profile: dict, layout: str, parts: int, chunks: int, batch: int = 64, schedule: str = "1f1b",
+         replicas: int = 1, **options) -> dict:
+    t = ct.Training(layout=layout, pp=parts, schedule=schedule, virtual_stages=2, **options)
+    return ct.predict_speed(profile, dict(MODEL, batch_size=batch, chunks=chunks), t, parts, replicas,
+                            parts * replicas if layout == "stage" else replicas)
+
+
+@pytest.mark.parametrize("parts,chunks", [(2, 1), (2, 4), (4, 8), (4, 32)])
+def test_equal_parts_on_their_own_devices_give_gpipes_closed_form(parts, chunks):
+    """(m + p - 1) x (t_f + t_b) of one micro-batch per part (Megatron-LM's step time, no communication), for the
+    replica layout's Pipe and the stage layout's 1F1B and GPipe alike."""
+    profile = linear_profile()
+    micro, layers = 64 / chunks, 4 / parts
+    expected = (chunks + parts - 1) * layers * 3.0 * micro / 1e3
+    for layout, schedule in (("replica", "gpipe"), ("stage", "1f1b"), ("stage", "gpipe")):
+        got = step(profile, layout, parts, chunks, schedule=schedule)
+        assert got["step_s"] == pytest.approx(expected), (layout, schedule)
+        assert got["terms"]["bubble"] == pytest.approx(expected * (parts - 1) / (chunks + parts - 1))
+
+
+def test_parts_that_share_a_device_run_in_turn():
+    """On the CPU (and --devices 0,0) there is no overlap: the whole model's work, every micro-batch, no bubble."""
+    cpu = linear_profile("cpu")
+    for parts, chunks in ((2, 1), (2, 8), (4, 16)):
+        got = step(cpu, "replica", parts, chunks)
+        assert got["step_s"] == pytest.approx(4 * 3.0 * 64 / 1e3)
+        assert got["terms"]["bubble"] == pytest.approx(0.0)
+    gpu = linear_profile()
+    same = step(gpu, "replica", 2, 4, devices=[0, 0])
+    assert same["step_s"] == pytest.approx(4 * 3.0 * 64 / 1e3)
+
+
+def test_interleaving_shrinks_the_bubble():
+    profile = linear_profile()
+    one = step(profile, "stage", 2, 8, schedule="1f1b")
+    inter = step(profile, "stage", 2, 8, schedule="interleaved1f1b")
+    assert inter["terms"]["bubble"] < one["terms"]["bubble"]
+    assert inter["terms"]["compute"] == pytest.approx(one["terms"]["compute"])
+
+
+def test_terms_add_up_and_name_what_grows():
+    """The terms sum to the step; the per-micro-batch term grows with chunks, the all-reduce with replicas."""
+    profile = linear_profile("cpu")
+    profile["engine"] = {"per_step_s": 0.001, "per_micro_batch_part_s": 0.0005}
+    profile["allreduce"]["node"]["points"] = [[1, 0.001], [2 ** 30, 1.0]]
+    profile["optimizer"] = {"Encoder": 0.001, "Layer": 0.002, "Decoder": 0.0005}
+    few, many = step(profile, "replica", 2, 2), step(profile, "replica", 2, 16)
+    two = step(profile, "replica", 2, 2, replicas=2)
+    for got in (few, many, two):
+        assert set(got["terms"]) == set(ct.SPEED_TERMS)
+        assert sum(got["terms"].values()) == pytest.approx(got["step_s"])
+        assert all(v >= 0 for v in got["terms"].values()), got["terms"]
+    assert many["terms"]["per_micro_batch"] > few["terms"]["per_micro_batch"]
+    assert few["terms"]["communication"] == 0 < two["terms"]["communication"]
+    assert few["terms"]["optimizer"] == pytest.approx(0.001 + 4 * 0.002 + 0.0005)
+    zero = step(profile, "replica", 2, 2, replicas=2, zero=True)
+    assert zero["terms"]["optimizer"] < two["terms"]["optimizer"] + two["terms"]["communication"]
+
+
+def test_a_gpu_hides_the_all_reduce_behind_the_backward_a_cpu_does_not():
+    profile = linear_profile()
+    profile["allreduce"]["node"]["points"] = [[1, 0.0005], [2 ** 30, 1.0]]
+    gpu = step(profile, "replica", 4, 8, replicas=2)
+    cpu = step(dict(copy.deepcopy(profile), device="cpu"), "replica", 4, 8, replicas=2)
+    assert 0 <= gpu["terms"]["communication"] < cpu["terms"]["communication"]
+
+
+@pytest.mark.parametrize("damage,says", [
+    ("not json", "is not JSON"), ('{"format": "other/1"}', "format 'other/1'"),
+    (json.dumps({"format": ct.PROFILE_FORMAT}), "cut short")])
+def test_a_bad_profile_is_one_line_with_the_fix(tmp_path, damage, says):
+    path = tmp_path / "p.json"
+    path.write_text(damage)
+    with pytest.raises(ct.ProfileError, match=says):
+        ct.read_profile(path)
+    with pytest.raises(ct.ProfileError, match="cannot read"):
+        ct.read_profile(tmp_path / "missing.json")
+
+
+def test_a_precision_the_profile_lacks_is_named():
+    profile = linear_profile()
+    for ctx in profile["compute"]:
+        ctx["blocks"] = {k: v for k, v in ctx["blocks"].items() if "|fp32|" in k}
+    with pytest.raises(ct.ProfileError, match="no bf16 timings .* --precisions bf16"):
+        step(profile, "replica", 2, 4, precision="bf16")
+
+
+def checker(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "check_topology.py"), *args], capture_output=True, text=True,
+                          env=clean_env(), timeout=60)
+
+
+def test_advise_ranks_by_the_profile_and_its_commands_are_what_the_trainers_read(tmp_path):
+    profile = linear_profile("cpu")
+    profile["key"]["model"] = {k: MODEL[k] for k in ct.PROFILE_MODEL}
+    profile["key"]["nlayers"] = 4
+    profile["engine"]["per_micro_batch_part_s"] = 0.002  # chunks cost: the fewest win on a shared device
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    plan = ["--advise", "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem", "16", "--global-batch", "32"]
+    plain = checker(*plan)
+    assert plain.returncode == 0 and "no speed is predicted without --profile" in plain.stdout
+    ranked = checker(*plan, "--profile", str(path), "--json")
+    assert ranked.returncode == 0, ranked.stderr
+    rows = json.loads(ranked.stdout)
+    speeds = [r["samples_per_s"] for r in rows if r["samples_per_s"]]
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) >= 3
+    assert rows[0]["chunks"] == 1 and set(rows[0]["terms_ms"]) == set(ct.SPEED_TERMS)
+    lines = checker(*plan, "--profile", str(path), "--top", "3", "--commands").stdout.splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        tasks, script, *argv = line.split()
+        layout = ct.TRAINERS[script]
+        read = ct.read_trainer_argv(layout, argv)
+        assert not read.findings.errors, (line, read.findings)
+        assert read.values.d_model == MODEL["d_model"] and read.values.nlayers == 4  # the profile's model
+    wrong = checker(*plan, "--profile", str(path), "--d-model", "128")
+    assert wrong.returncode == 2 and "taken with --d-model 64, the plan has 128" in wrong.stderr
+    alone = checker("--profile", str(path), "--nodes", "1", "--gpus-per-node", "2")
+    assert alone.returncode == 2 and "go with --advise" in alone.stderr
+
+
+# ---- a real profile, and the ranking it predicts against the trainer's own runs -----------------------------------
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory) -> dict:
+    """benchmarks/speed_profile.py on the tiny model, two tasks as srun starts them (gloo)."""
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    procs = bench(["--out", str(out), "--max-micro", "16", "--repeats", "3", *TINY], ntasks=2,
+                  script="benchmarks/speed_profile.py", timeout=300)
+    assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
+    return ct.read_profile(out)
+
+
+@pytest.mark.core
+@pytest.mark.multiproc
+def test_the_profile_holds_what_the_model_reads(tiny_profile):
+    p = tiny_profile
+    assert p["key"]["model"]["d_model"] == 32 and p["key"]["nlayers"] == 2 and p["device"] == "cpu"
+    # every task at once (1 thread each on 2 cores), then task 0 alone with 1 thread and with all its cores
+    contexts = {(c["tasks"], c["threads"]) for c in p["compute"]}
+    assert (2, 1) in contexts and (1, 1) in contexts and {t for t, _ in contexts} == {1, 2}, contexts
+    for ctx in p["compute"]:
+        assert {"Layer|fp32|0", "Layer|fp32|1", "Encoder|bf16|0", "Decoder|fp32|0"} <= set(ctx["blocks"])
+        assert [m for m, *_ in ctx["blocks"]["Layer|fp32|0"]] == [1, 2, 4, 8, 16]
+        assert all(f > 0 and b > 0 for _, f, b in ctx["blocks"]["Layer|fp32|0"])
+        assert set(ctx["whole"]) == {"fp32|0", "fp32|1", "bf16|0", "bf16|1"}
+    assert [b for b, _ in p["allreduce"]["node"]["points"]] == sorted(b for b, _ in p["allreduce"]["node"]["points"])
+    assert p["allreduce"]["node"]["tasks"] == 2 and p["p2p"] and p["engine"]["per_micro_batch_part_s"] >= 0
+    assert {r["tasks"] for r in p["replica_step"]} == {1, 2}
+    assert (p["stage_engine"] is not None) == (TORCH >= (2, 4))  # pipelining exists from torch 2.4
+    model = dict(ct.model_args(ct.Training(), cpu=True), **{k: p["key"]["model"][k] for k in ct.PROFILE_MODEL},
+                 nlayers=2, batch_size=16, chunks=4)
+    for layout, replicas in (("replica", 1), ("replica", 2), ("stage", 1)):
+        if layout == "stage" and TORCH < (2, 4):
+            continue
+        got = ct.predict_speed(p, model, ct.Training(layout=layout, pp=2), 2, replicas, 2 * replicas
+                               if layout == "stage" else replicas)
+        assert sum(got["terms"].values()) == pytest.approx(got["step_s"]) and got["samples_per_s"] > 0
+
+
+@pytest.mark.multiproc
+def test_three_clearly_different_splits_rank_as_predicted(tiny_profile, tmp_path):
+    """Three splits the model puts far apart (micro-batches of 1 through two parts in turn; one task; two
+    replicas), each measured once by the trainer itself: the measured order is the predicted one."""
+    splits = [(1, ["--nb-part", "2", "--chunks", "16", "--batch-size", "16"]),
+              (1, ["--nb-part", "1", "--chunks", "1", "--batch-size", "16"]),
+              (2, ["--nb-part", "1", "--chunks", "1", "--batch-size", "32"])]
+    model = dict(ct.model_args(ct.Training(), cpu=True), **tiny_profile["key"]["model"], nlayers=2)
+    predicted, measured = [], []
+    for n, argv in splits:
+        values = ct.read_trainer_argv("replica", argv).values
+        m = dict(model, batch_size=values.batch_size, chunks=values.chunks)
+        predicted.append(ct.predict_speed(tiny_profile, m, ct.Training(), values.nb_part, n, n)["samples_per_s"])
+        out = tmp_path / f"run{len(measured)}.jsonl"
+        procs = bench([*argv, *TINY, "--epochs", "1", "--max-steps", "43", "--warmup-steps", "3",
+                       "--synthetic", str(values.batch_size * n * 44), "--json-out", str(out)], ntasks=n)
+        assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
+        measured.append(json.loads(out.read_text())["samples_per_s"])
+    assert predicted[1] > 1.5 * predicted[0] and predicted[2] > 1.3 * predicted[1], predicted  # clearly apart
+    assert sorted(range(3), key=lambda i: measured[i]) == [0, 1, 2], (predicted, measured)
