@@ -157,6 +157,15 @@ def micro_sizes(max_micro: int) -> list[int]:
     return [1 << i for i in range(max_micro.bit_length()) if 1 << i <= max_micro]
 
 
+def model_parts(cfg: argparse.Namespace, nb_part: int, precision: str, ckpt: bool, devices: list) -> list:
+    """The trainer's own module_list (bench.build_module_list: the page's loop) in nb_part parts, each moved to its
+    device (the last one's for every part past the task's devices)."""
+    torch.manual_seed(0)
+    run = argparse.Namespace(**{**vars(cfg), "precision": precision, "activation_checkpointing": bool(ckpt)})
+    parts = bench.build_module_list(run, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, nb_part))
+    return [p.to(devices[min(i, len(devices) - 1)]) for i, p in enumerate(parts)]
+
+
 def time_whole(cfg: argparse.Namespace, precisions: list[str], max_micro: int, timer: Timer, engine: str) -> dict:
     """The whole model (Encoder, --nlayers Layers, Decoder) as one part inside the replica layout's Pipe, one
     chunk: {"fp32|0": [[micro, fwd_s, bwd_s], ...], ...}. The Pipe runs a part in a worker thread of its own; on a
@@ -166,11 +175,7 @@ def time_whole(cfg: argparse.Namespace, precisions: list[str], max_micro: int, t
     table = {}
     for precision in precisions:
         for ckpt in (0, 1):
-            torch.manual_seed(0)
-            part = bench.Part(bench.Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len),
-                              *[bench.Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout, bool(ckpt))
-                                for _ in range(cfg.nlayers)],
-                              bench.Decoder(cfg.d_model, cfg.d_hid), precision=precision).to(timer.device)
+            [part] = model_parts(cfg, 1, precision, ckpt, [timer.device])
             model = bench.PipeModel([part], engine, 1, [str(timer.device)])
             try:
                 table[f"{precision}|{ckpt}"] = [[m, *time_block("Decoder", model, cfg, m, timer, tokens=True)]
@@ -187,14 +192,8 @@ def time_engine_real(cfg: argparse.Namespace, max_micro: int, timer: Timer, engi
     for the cores, a cost a tiny part does not show (its ops run on one thread). None below 2 Layers."""
     if cfg.nlayers < 2 or max_micro < 16:
         return None
-    torch.manual_seed(0)
-    sizes = ct.part_sizes(cfg.nlayers, 2)
-    parts = [bench.Part(bench.Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len),
-                        *[bench.Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout) for _ in range(sizes[0])]),
-             bench.Part(*[bench.Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout) for _ in range(sizes[1])],
-                        bench.Decoder(cfg.d_model, cfg.d_hid))]
     devices = [timer.devices[0], timer.devices[-1]]
-    parts = [p.to(d) for p, d in zip(parts, devices)]
+    parts = model_parts(cfg, 2, "fp32", False, devices)
     times = {}
     for chunks in (1, 16):
         model = bench.PipeModel(parts, engine, chunks, [str(d) for d in devices])
@@ -275,10 +274,7 @@ def time_replica_step(cfg: argparse.Namespace, engine: str, micro: int, timer: T
     fixed cost: DDP's hooks and all-reduces as they really run beside the compute, the Pipe's per-step work, the
     flag."""
     from torch.nn.parallel import DistributedDataParallel
-    torch.manual_seed(0)
-    parts = [bench.Part(bench.Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len),
-                        *[bench.Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout) for _ in range(cfg.nlayers)],
-                        bench.Decoder(cfg.d_model, cfg.d_hid)).to(timer.device)]
+    parts = model_parts(cfg, 1, "fp32", False, [timer.device])
     model = bench.PipeModel(parts, engine, 1, [str(timer.device)])
     try:
         ddp = DistributedDataParallel(model, process_group=group)
