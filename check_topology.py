@@ -2038,12 +2038,76 @@ def _pipe_scale(profile: dict, ctx: dict, t: "Training", micro: float) -> tuple[
     return max(wf, 0.5 * f) / f, max(wb, 0.5 * b) / b
 
 
-def _part_costs(profile: dict, ctx: dict, model: dict, t: "Training", nb_part: int, micro: float
-                ) -> list[dict]:
-    """Per part: forward and backward of one micro-batch (the replica layout's as its Pipe runs them), its
-    gradients' bytes, its optimizer step."""
+def _overlap(chunks: int, pp: int) -> float:
+    """The share of a pipeline's clocks in which its stages all compute at once: (m - 1) / (m + p - 1)."""
+    return (chunks - 1) / (chunks + pp - 1)
+
+
+def _least_squares(rows: list[list[float]], rhs: list[float], free: list[bool]) -> list[float]:
+    """min |rows x - rhs| over the unknowns marked free (the others 0), by the normal equations (a handful of
+    unknowns: Gauss-Jordan with partial pivoting)."""
+    idx = [j for j, f in enumerate(free) if f]
+    a = [[sum(r[i] * r[j] for r in rows) for j in idx] + [sum(r[i] * y for r, y in zip(rows, rhs))] for i in idx]
+    n = len(idx)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda k: abs(a[k][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-300:
+            return [0.0] * len(free)
+        for k in range(n):
+            if k != col:
+                ratio = a[k][col] / a[col][col]
+                a[k] = [x - ratio * y for x, y in zip(a[k], a[col])]
+    out = [0.0] * len(free)
+    for k, j in enumerate(idx):
+        out[j] = a[k][n] / a[k][k]
+    return out
+
+
+def _stage_fit(profile: dict, model: dict, t: "Training") -> dict | None:
+    """The stage layout as it really runs, from the profile's real steps (speed_profile.time_stage_steps: the real
+    model, pp 2, 2 and 8 micro-batches of 1 to 64 samples): a factor on the bare blocks for each count of
+    micro-batches (on a CPU the stages that compute at once share the memory: more of them with more micro-batches),
+    a cost per micro-batch and stage, a cost per step. The prediction is linear in all of them (finite
+    differences give the slopes), so they are its least squares fit to the steps, each step's error relative to
+    it; over micro-batches of 1 to 64 samples the per-micro-batch cost and the blocks' share come apart. None where
+    the profile has no real step (the tiny model's engine cost stands, the blocks bare)."""
+    rec = profile.get("stage_step")
+    if not rec or not rec.get("points"):
+        return None
+    plain = replace(t, precision="fp32", activation_checkpointing=False, schedule=rec["schedule"], zero=False)
+    counts = sorted({c for _, c, _ in rec["points"]})
+    rows, rhs = [], []
+    for m, c, step in rec["points"]:
+        run = dict(model, nlayers=rec["nlayers"], batch_size=m * c, chunks=c)
+        at = lambda k, o: predict_speed(profile, run, plain, rec["pp"], rec["replicas"], rec["tasks"],  # noqa: E731
+                                        threads=rec["threads"], stage_costs=(k, o, 0.0))["step_s"]
+        base = at(1.0, 0.0)
+        blocks, per_op = at(2.0, 0.0) - base, (at(1.0, 1e-3) - base) / 1e-3
+        rows.append([(blocks if c == k else 0.0) / step for k in counts] + [per_op / step, 1.0 / step])
+        rhs.append((step - base + blocks) / step)
+    free = [True] * (len(counts) + 2)
+    x = _least_squares(rows, rhs, free)
+    while any(v < 0 for v in x[-2:]):  # a negative cost is noise: held at 0, the rest fitted again
+        free[len(counts) + x[-2:].index(min(x[-2:]))] = False
+        x = _least_squares(rows, rhs, free)
+    return {"scales": [[_overlap(c, rec["pp"]), max(0.3, k)] for c, k in zip(counts, x)], "per_op": x[-2],
+            "per_step": x[-1]}
+
+
+def _stage_scale(fit: dict, overlap: float) -> float:
+    """The fit's factor on the bare blocks at this overlap: linear between those measured (on GPUs it barely moves),
+    the nearest past them."""
+    points = fit["scales"]
+    return _interpolate(points, min(max(overlap, points[0][0]), points[-1][0]))
+
+
+def _part_costs(profile: dict, ctx: dict, model: dict, t: "Training", nb_part: int, micro: float,
+                scale: float = 1.0) -> list[dict]:
+    """Per part: forward and backward of one micro-batch (the replica layout's as its Pipe runs them, the stage
+    layout's times `scale`), its gradients' bytes, its optimizer step."""
     opt = profile["optimizer"]
-    sf, sb = (1.0, 1.0) if t.layout == "stage" else _pipe_scale(profile, ctx, t, micro)
+    sf, sb = (scale, scale) if t.layout == "stage" else _pipe_scale(profile, ctx, t, micro)
     out = []
     for j in range(nb_part):
         blocks = _blocks_of(model["nlayers"], nb_part, j)
@@ -2168,28 +2232,43 @@ def _step_residual(profile: dict, model: dict, t: "Training", tasks: int, thread
     return max(0.0, rest) * (bytes_now / part["bytes"] if rec["replicas"] > 1 else 1.0)
 
 
+def _engine_costs(profile: dict, ctx: dict, stage: bool, stage_costs: tuple | None, notes: list[str]
+                  ) -> tuple[float, float]:
+    """The engine's cost per op (a forward or a backward of a micro-batch on a part or stage) and per step: the
+    stage layout's from the fit to its real steps, else the tiny model's; the replica layout's hand-off as measured
+    with the real model in the same context, where it was."""
+    if stage_costs:
+        return stage_costs[1], stage_costs[2]
+    if stage:
+        engine = profile.get("stage_engine")
+        if engine is None:
+            notes.append("the stage layout's engine was not profiled (one task, or torch < 2.4): its cost per "
+                         "micro-batch is left out")
+            return 0.0, 0.0
+        return engine["per_micro_batch_stage_s"] / 2, engine["per_step_s"]
+    engine, real = profile["engine"], (ctx.get("engine") or {}).get("per_micro_batch_part_s")
+    return (real if real is not None else engine["per_micro_batch_part_s"]) / 2, engine["per_step_s"]
+
+
 def predict_speed(profile: dict, model: dict, t: "Training", nb_part: int, replicas: int, tasks_per_node: int,
-                  nodes: int = 1, threads: int | None = None) -> dict:
+                  nodes: int = 1, threads: int | None = None,
+                  stage_costs: tuple[float, float, float] | None = None) -> dict:
     """Step time and samples/s of one split (model: the model's arguments with batch_size and chunks; nb_part: the
     replica's parts, or --pp in the stage layout; threads: a CPU task's, default the trainer's), with the terms
-    that add up to it (SPEED_TERMS)."""
+    that add up to it (SPEED_TERMS). The stage layout's costs, (factor on the blocks, cost per forward or backward
+    of a micro-batch on a stage, cost per step), default to the fit to the profile's real steps (_stage_fit)."""
     stage = t.layout == "stage"
     chunks, batch = model["chunks"], model["batch_size"]
     pp = nb_part if stage else 1
     stages = nb_part * (stages_per_rank(t.schedule, t.virtual_stages) if stage else 1)
     micro = batch / chunks
     ctx, slower = _context(profile, tasks_per_node, threads)
-    parts = _part_costs(profile, ctx, model, t, stages, micro)
-    engine = profile.get("stage_engine") if stage else profile["engine"]
+    fit = _stage_fit(profile, model, t) if stage and stage_costs is None else None
+    if fit:
+        stage_costs = (_stage_scale(fit, _overlap(chunks, pp)), fit["per_op"], fit["per_step"])
+    parts = _part_costs(profile, ctx, model, t, stages, micro, stage_costs[0] if stage_costs else 1.0)
     notes: list[str] = []
-    if engine is None:
-        notes.append("the stage layout's engine was not profiled (one task, or torch < 2.4): its cost per micro-batch "
-                     "is left out")
-        engine = {"per_step_s": 0.0, "per_micro_batch_stage_s": 0.0}
-    # the replica layout's hand-off as measured with the real model in the same context, where it was
-    real = None if stage else (ctx.get("engine") or {}).get("per_micro_batch_part_s")
-    per_op = (engine.get("per_micro_batch_stage_s") if stage else
-              real if real is not None else engine["per_micro_batch_part_s"]) / 2
+    per_op, per_step = _engine_costs(profile, ctx, stage, stage_costs, notes)
     shared = not stage and (profile["device"] == "cpu" or bool(t.devices and len(set(t.devices)) < len(t.devices)))
     queues = _queues(t.layout, t.schedule, stages, pp, chunks, shared)
     act = micro * model["seq_len"] * model["d_model"] * 4  # a micro-batch's activations between stages, fp32
@@ -2200,7 +2279,7 @@ def predict_speed(profile: dict, model: dict, t: "Training", nb_part: int, repli
     bare, _ = _simulate(queues, lambda k, s: compute(k, s) + per_op, 0.0, stages)
     makespan, end = _simulate(queues, lambda k, s: compute(k, s) + per_op, delay, stages)
     busy = max(queues, key=lambda ops: sum(compute(k, s) for k, s, _ in ops))
-    work, overhead = sum(compute(k, s) for k, s, _ in busy), per_op * len(busy) + engine["per_step_s"]
+    work, overhead = sum(compute(k, s) for k, s, _ in busy), per_op * len(busy) + per_step
     comm = makespan - bare
     residual = 0.0 if stage else _step_residual(profile, model, t, tasks_per_node, threads)
     if replicas > 1:
@@ -5257,11 +5336,24 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
     return line
 
 
+def stage_schedule(version: str | None, cpu: bool = False) -> tuple[str | None, str | None]:
+    """The schedule --advise gives the stage layout's rows, and why where it is not 1f1b (GPipe holds every
+    micro-batch for the same bubble): gpipe where this torch refuses 1f1b (on gloo before 2.8), None where it has
+    no stage layout at all (before 2.4). Without a release (no profile) 1f1b."""
+    if version is None or not torch_refusals(version, Training(layout="stage", schedule="1f1b"), cpu):
+        return "1f1b", None
+    refused = torch_refusals(version, Training(layout="stage", schedule="gpipe"), cpu)
+    if refused:
+        return None, f"no stage layout rows: {refused[0]}"
+    return "gpipe", ("stage layout rows run --schedule gpipe: "
+                     + torch_refusals(version, Training(layout="stage", schedule="1f1b"), cpu)[0])
+
+
 def advise(nodes: int, gpn: int, gib: float, model: dict, global_batch: int, v100: bool,
-           max_chunks: int = 32) -> list[dict]:
+           max_chunks: int = 32, schedule: str | None = "1f1b") -> list[dict]:
     """Every split of `nodes` x `gpn` GPUs that fits in `gib` per GPU at this global batch, in both layouts (the
-    page's replicas; bench_stage.py's pipelines with --schedule 1f1b: GPipe holds every micro-batch for the same
-    bubble), sorted by fewest GPUs per replica or pipeline, then by bubble."""
+    page's replicas; bench_stage.py's pipelines with `schedule`, stage_schedule's, none where it is None), sorted
+    by fewest GPUs per replica or pipeline, then by bubble."""
     rows = []
     arch, low = requested_arch(v100)
     for tpn in divisors(gpn):
@@ -5272,25 +5364,25 @@ def advise(nodes: int, gpn: int, gib: float, model: dict, global_batch: int, v10
         for chunks in ([1] if nb_part == 1 else [c for c in divisors(batch) if c <= max_chunks]):
             rows += _advise_rows("replica", dict(model, batch_size=batch, chunks=chunks), nb_part, replicas, tpn,
                                  ("fp32", low), gib, arch)
-    for pp in [p for p in divisors(gpn) if p > 1 and model["nlayers"] >= p]:
+    for pp in [p for p in divisors(gpn) if p > 1 and model["nlayers"] >= p and schedule]:
         replicas = nodes * gpn // pp
         if global_batch % replicas:
             continue
         batch = global_batch // replicas
         for chunks in [c for c in divisors(batch) if pp <= c <= max_chunks]:
             rows += _advise_rows("stage", dict(model, batch_size=batch, chunks=chunks), pp, replicas, gpn,
-                                 ("fp32",) if v100 else ("fp32", low), gib, arch)
+                                 ("fp32",) if v100 else ("fp32", low), gib, arch, schedule)
     return sorted(rows, key=lambda r: (r["nb_part"], r["bubble"], r["peak_gib"], r["layout"]))
 
 
 def _advise_rows(layout: str, m: dict, nb_part: int, replicas: int, tpn: int, precisions: tuple[str, ...],
-                 gib: float, arch: str) -> list[dict]:
+                 gib: float, arch: str, schedule: str = "1f1b") -> list[dict]:
     """The options of one split that fit, as --advise rows (nb_part is --pp in the stage layout)."""
     rows = []
     for precision in precisions:
         for ckpt in (False, True):
             for zero in ((False, True) if replicas > 1 else (False,)):
-                t = Training(layout=layout, pp=nb_part, schedule="1f1b", precision=precision,
+                t = Training(layout=layout, pp=nb_part, schedule=schedule, precision=precision,
                              activation_checkpointing=ckpt, zero=zero)
                 worst = worst_part(m, t, nb_part, replicas, arch)
                 peak = worst.total / GIB
@@ -5299,12 +5391,12 @@ def _advise_rows(layout: str, m: dict, nb_part: int, replicas: int, tpn: int, pr
                                      batch_size=m["batch_size"], chunks=m["chunks"], precision=precision,
                                      activation_checkpointing=ckpt, zero=zero, peak_gib=round(peak, 2),
                                      bubble=round(bubble(nb_part, m["chunks"]), 3), layout=layout,
-                                     schedule="1f1b" if layout == "stage" else "gpipe", peak_at=worst.peak_at))
+                                     schedule=schedule if layout == "stage" else "gpipe", peak_at=worst.peak_at))
     return rows
 
 
 def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str, global_batch: int,
-                profile: dict | None = None) -> str:
+                profile: dict | None = None, schedule_note: str | None = None) -> str:
     ranked = (f"fastest first, by the samples/s predicted from the profile ({profile['key']['gpu']}, torch "
               f"{profile['key']['torch']}, taken {profile.get('taken', '?')}; terms in ms per step)" if profile else
               "fewest GPUs per replica (or pipeline) first, then by bubble (no speed is predicted without "
@@ -5326,7 +5418,7 @@ def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str,
                      f"{r['batch_size']:>5} {r['chunks']:>6} {r['precision']:9} "
                      f"{'yes' if r['activation_checkpointing'] else 'no':4} {'yes' if r['zero'] else 'no':4} "
                      f"{r['peak_gib']:>8.2f} {r['bubble']:>6.1%}" + speed)
-    notes = sorted({n for r in rows for n in r.get("notes", [])})
+    notes = sorted({n for r in rows for n in r.get("notes", [])}) + [schedule_note] * bool(schedule_note)
     lines += [f"  note: {n}" for n in notes]
     if not rows:
         lines.append("  nothing fits: use more GPUs, a smaller model (--nlayers, --d-model, --seq-len) or a smaller "
@@ -5652,7 +5744,11 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
         t.model = {**profile["key"]["model"], **t.model}
         t.nlayers = t.nlayers or profile["key"].get("nlayers")
     model = model_args(t)
-    rows = [r for batch in batches for r in advise(job.nodes, gpn, gib, model, batch, is_v100(job))]
+    # the profile's torch and device say which schedule the stage layout's trainer will run (TORCH_FEATURES)
+    schedule, schedule_note = stage_schedule(profile["key"].get("torch") if profile else None,
+                                             bool(profile) and profile["device"] == "cpu")
+    rows = [r for batch in batches for r in advise(job.nodes, gpn, gib, model, batch, is_v100(job),
+                                                   schedule=schedule)]
     if profile:
         rows = rank_by_speed(rows, profile, model, job.nodes)
     rows = rows[:args.top] if args.top else rows
@@ -5661,7 +5757,7 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
                         for r in rows))
     else:
         print(json.dumps(rows, indent=1) if args.json else
-              advise_text(rows, job.nodes, gpn, gib, source, args.global_batch, profile))
+              advise_text(rows, job.nodes, gpn, gib, source, args.global_batch, profile, schedule_note))
     return 0 if rows else 1
 
 

@@ -267,6 +267,48 @@ def time_stage_engine(cuda: bool, timer: Timer) -> dict | None:
     return {"schedule": schedule, "per_step_s": max(times[2] - 2 * 2 * per, 0.0), "per_micro_batch_stage_s": per}
 
 
+STAGE_MODEL = ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout")
+
+
+def time_stage_steps(cfg: argparse.Namespace, cuda: bool, max_micro: int, timer: Timer) -> dict | None:
+    """Real steps of the stage layout with the real model: bench_stage.Stages, pp 2 over all tasks (dp = tasks / 2),
+    the schedule the trainer allows here; 2 and 8 micro-batches of 1, 4, 16 and 64 samples (up to --max-micro):
+    [[micro, chunks, seconds], ...]. check_topology._stage_fit finds in them what the stage layout costs beyond its
+    bare blocks: per micro-batch DDP's hooks on every stage (find_unused_parameters' graph walk), the loss, the
+    schedule's bookkeeping (a tiny model's stages, time_stage_engine, showed 2 to 4 times less); on the blocks, a
+    stage's distinct Layers, whose weights a single Layer timed alone keeps in the cache, and on a CPU the stages
+    that compute at once (more of the step with more micro-batches) sharing the memory's bandwidth.
+    None where the stage layout cannot run (one task, an odd count, torch < 2.4, under 2 Layers)."""
+    world = idr_torch.size
+    if world < 2 or world % 2 or ct.version_tuple(torch.__version__) < (2, 4) or cfg.nlayers < 2:
+        return None
+    import bench_stage
+    schedule = "gpipe" if ct.torch_refusals(torch.__version__, ct.Training(layout="stage", schedule="1f1b"),
+                                            cpu=not cuda) else "1f1b"
+    model_argv = [a for k in STAGE_MODEL for a in (f"--{k.replace('_', '-')}", str(getattr(cfg, k)))]
+    points = []
+    for micro, chunks in [(m, c) for m in (1, 4, 16, 64) for c in (2, 8) if m <= max_micro]:
+        batch = micro * chunks
+        stage_cfg = bench_stage.parse_args(["--pp", "2", "--schedule", schedule, "--chunks", str(chunks),
+                                            "--batch-size", str(batch), *model_argv])
+        bench.resolve(stage_cfg, cuda)
+        stages = bench_stage.Stages(stage_cfg, bench_stage.make_plan(stage_cfg, cuda), cuda)
+        stages.start()
+        x, y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)), torch.randint(0, 2, (batch,))
+        flag = torch.zeros(1)
+
+        def step():  # as train_epoch runs it: the step, then the stop flag's all-reduce (StopRequest.agreed)
+            stages.train_step(x, y)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=bench.HOST_GROUP[0])
+        try:
+            points.append([micro, chunks, timer.median(step, warmup=2)])
+        finally:
+            stages.close()
+    launch = idr_torch.current()
+    return {"tasks": launch.local_world_size, "threads": None if cuda else torch.get_num_threads(), "pp": 2,
+            "replicas": world // 2, "schedule": schedule, "nlayers": cfg.nlayers, "points": points}
+
+
 def time_replica_step(cfg: argparse.Namespace, engine: str, micro: int, timer: Timer, group) -> float:
     """One real step of the replica layout with the whole model in one part: the trainer's PipeModel inside DDP over
     `group`, its forward_backward, AdamW's step and the stop flag's all-reduce (StopRequest.agreed), as
@@ -444,6 +486,8 @@ def measure(args: argparse.Namespace, cfg: argparse.Namespace, cuda: bool, plan:
     profile["replica_step"] = replica_steps(cfg, engine, timer, cuda)
     barrier()
     profile["stage_engine"] = time_stage_engine(cuda, Timer([devices[0]], args.repeats))
+    barrier()
+    profile["stage_step"] = time_stage_steps(cfg, cuda, args.max_micro, Timer([devices[0]], args.repeats))
     on_node, firsts = node_ranks(launch)
     profile["allreduce"] = {"node": {"tasks": len(on_node), "points": time_allreduce(on_node, timer)},
                             "nodes": {"tasks": len(firsts), "points": time_allreduce(firsts, timer)}}

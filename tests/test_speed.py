@@ -99,6 +99,35 @@ def test_terms_add_up_and_name_what_grows():
     assert zero["terms"]["optimizer"] < two["terms"]["optimizer"] + two["terms"]["communication"]
 
 
+@pytest.mark.parametrize("slow,per_op,per_step", [((0.8, 0.8), 0.0, 0.004), ((1.0, 1.3), 0.002, 0.0),
+                                                  ((1.6, 1.2), 0.0005, 0.01)])
+def test_the_stage_layouts_real_steps_give_its_costs(slow, per_op, per_step):
+    """The profile's real stage steps (pp 2, 2 and 8 micro-batches of 1, 4, 16 samples) made from the model itself
+    with known costs: a factor on the blocks at each count of micro-batches, a cost per forward or backward, a cost
+    per step. _stage_fit must find all three, the factor must move with the overlap between the counts, a split
+    predicted with the fit must take their time; the replica layout is left alone."""
+    profile = linear_profile()
+    profile["stage_engine"] = {"per_step_s": 0.003, "per_micro_batch_stage_s": 0.001}  # the tiny model's: replaced
+    t = ct.Training(layout="stage", pp=2, schedule="1f1b")
+    made = dict(zip((2, 8), slow))
+    costs = lambda c: (made[c], per_op, per_step)  # noqa: E731
+    points = [[m, c, ct.predict_speed(profile, dict(MODEL, batch_size=m * c, chunks=c), t, 2, 1, 2,
+                                      stage_costs=costs(c))["step_s"]] for m in (1, 4, 16) for c in (2, 8)]
+    profile["stage_step"] = {"tasks": 2, "threads": None, "pp": 2, "replicas": 1, "schedule": "1f1b", "nlayers": 4,
+                             "points": points}
+    fit = ct._stage_fit(profile, dict(MODEL, batch_size=8, chunks=1), t)
+    assert [k for _, k in fit["scales"]] == pytest.approx(list(slow))
+    assert (fit["per_op"], fit["per_step"]) == pytest.approx((per_op, per_step), abs=1e-9)
+    for c in (2, 8):
+        assert ct._stage_scale(fit, ct._overlap(c, 2)) == pytest.approx(made[c])
+    between = ct._stage_scale(fit, ct._overlap(4, 2))
+    assert min(slow) < between < max(slow) or slow[0] == slow[1]
+    got = step(profile, "stage", 2, 8)  # batch 64, chunks 8: micro-batches of 8 samples, between those measured
+    want = ct.predict_speed(profile, dict(MODEL, batch_size=64, chunks=8), t, 2, 1, 2, stage_costs=costs(8))
+    assert got["step_s"] == pytest.approx(want["step_s"])
+    assert step(profile, "replica", 2, 8)["step_s"] == pytest.approx(step(linear_profile(), "replica", 2, 8)["step_s"])
+
+
 def test_a_gpu_hides_the_all_reduce_behind_the_backward_a_cpu_does_not():
     profile = linear_profile()
     profile["allreduce"]["node"]["points"] = [[1, 0.0005], [2 ** 30, 1.0]]
@@ -134,8 +163,7 @@ def checker(*args: str) -> subprocess.CompletedProcess:
 
 def test_advise_ranks_by_the_profile_and_its_commands_are_what_the_trainers_read(tmp_path):
     profile = linear_profile("cpu")
-    profile["key"]["model"] = {k: MODEL[k] for k in ct.PROFILE_MODEL}
-    profile["key"]["nlayers"] = 4
+    profile["key"].update(torch="2.13.0", model={k: MODEL[k] for k in ct.PROFILE_MODEL}, nlayers=4)
     profile["engine"]["per_micro_batch_part_s"] = 0.002  # chunks cost: the fewest win on a shared device
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile))
@@ -160,6 +188,33 @@ def test_advise_ranks_by_the_profile_and_its_commands_are_what_the_trainers_read
     assert wrong.returncode == 2 and "taken with --d-model 64, the plan has 128" in wrong.stderr
     alone = checker("--profile", str(path), "--nodes", "1", "--gpus-per-node", "2")
     assert alone.returncode == 2 and "go with --advise" in alone.stderr
+
+
+@pytest.mark.parametrize("torch_version,device,schedule", [("2.13.0", "cpu", "1f1b"), ("2.6.0", "cpu", "gpipe"),
+                                                          ("2.6.0", "cuda", "1f1b"), ("2.3.1", "cuda", None)])
+def test_advise_gives_the_stage_layout_the_schedule_the_profiles_torch_runs(tmp_path, torch_version, device,
+                                                                             schedule):
+    """The profile names the release and the device: on gloo before torch 2.8 the stage trainer refuses 1f1b
+    (TORCH_FEATURES), before 2.4 it has no stage layout; every command --advise prints must be one that release
+    runs, and the header says why where the schedule is not 1f1b."""
+    profile = linear_profile(device)
+    profile["key"].update(torch=torch_version, model={k: MODEL[k] for k in ct.PROFILE_MODEL}, nlayers=4)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    plan = ["--advise", "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem", "16", "--global-batch", "32",
+            "--profile", str(path)]
+    lines = checker(*plan, "--commands").stdout.splitlines()
+    stage = [line for line in lines if " bench_stage.py " in line]
+    assert len(lines) > len(stage) > 0 if schedule else not stage and lines
+    for line in lines:
+        tasks, script, *argv = line.split()
+        layout = ct.TRAINERS[script]
+        t = ct.training_from_args(ct.read_trainer_argv(layout, argv).values, layout)
+        assert not ct.torch_refusals(torch_version, t, cpu=device == "cpu"), line
+        assert layout == "replica" or t.schedule == schedule
+    text = checker(*plan).stdout
+    assert ("note: stage layout rows run --schedule gpipe" in text) == (schedule == "gpipe")
+    assert ("note: no stage layout rows: the stage layout (bench_stage.py) needs torch >= 2.4" in text) == (schedule is None)
 
 
 # ---- a real profile, and the ranking it predicts against the trainer's own runs -----------------------------------
@@ -190,6 +245,13 @@ def test_the_profile_holds_what_the_model_reads(tiny_profile):
     assert p["allreduce"]["node"]["tasks"] == 2 and p["p2p"] and p["engine"]["per_micro_batch_part_s"] >= 0
     assert {r["tasks"] for r in p["replica_step"]} == {1, 2}
     assert (p["stage_engine"] is not None) == (TORCH >= (2, 4))  # pipelining exists from torch 2.4
+    if TORCH >= (2, 4):  # the real stage layout's steps: the model, pp 2, 2 micro-batches of 1, 4, 16 (--max-micro)
+        real = p["stage_step"]
+        assert (real["pp"], real["replicas"], real["nlayers"]) == (2, 1, 2)
+        assert [(m, c) for m, c, _ in real["points"]] == [(m, c) for m in (1, 4, 16) for c in (2, 8)]
+        assert all(s > 0 for *_, s in real["points"])
+    else:
+        assert p["stage_step"] is None
     model = dict(ct.model_args(ct.Training(), cpu=True), **{k: p["key"]["model"][k] for k in ct.PROFILE_MODEL},
                  nlayers=2, batch_size=16, chunks=4)
     for layout, replicas in (("replica", 1), ("replica", 2), ("stage", 1)):
