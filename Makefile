@@ -45,8 +45,8 @@ sweep: venv
 	PYTHON=$(PY) slurm/sweep_local.sh report/cpu_sweep.jsonl
 	$(PY) slurm/report.py report/cpu_sweep.jsonl --out report --title "CPU sweep (gloo, 2 cores): not a GPU result"
 
-# The speed model against the trainers' own runs on this CPU (benchmarks/speed_grid.py: 32 splits x 3 repeats,
-# about 30 minutes on 2 cores); docs/speed.md quotes it.
+# The speed model against the trainers' own runs on this CPU (benchmarks/speed_grid.py: 32 splits x 5 repeats,
+# about 35 minutes on 2 cores); docs/speed.md quotes it.
 speed: venv
 	$(PY) benchmarks/speed_grid.py
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How good is the speed model? Profile this machine, predict a grid of splits, then measure each one.
 
-    python benchmarks/speed_grid.py                      # the full grid: 32 splits x 3 repeats, about 25 minutes
+    python benchmarks/speed_grid.py                      # the full grid: 32 splits x 5 repeats, about 35 minutes
     python benchmarks/speed_grid.py --quick              # 6 splits x 1 repeat, a smoke test
 
 For each model size: benchmarks/speed_profile.py (2 tasks, as torchrun starts them), check_topology.predict_speed
@@ -122,7 +122,8 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="6 splits of the small model, 1 repeat")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs of each split, interleaved, the median kept (default 5: with 3 the repeats of the two fastest splits overlapped on this host)")
     p.add_argument("--out", default=str(ROOT / "report" / "speed_grid.json"))
     args = p.parse_args()
     models = {"small": MODELS["small"]} if args.quick else MODELS
