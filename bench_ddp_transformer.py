@@ -1351,6 +1351,7 @@ def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batch_i
     try:
         save_checkpoint(cfg.save, model_state, {
             "format": RESUME_FORMAT, "optimizer": optimizer_state, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+            "samples_in_epoch": batch_in_epoch * cfg.batch_size * trainer.dp_size,
             "step": step, "layout": layout_of(cfg, trainer.nb_part), "engine": trainer.engine, "rng": rngs,
             "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}})
     except (OSError, RuntimeError) as exc:  # torch.save wraps the OSError of a failed write in a RuntimeError
@@ -1492,7 +1493,21 @@ def resume_point(cfg: argparse.Namespace, trainer: Trainer) -> tuple[int, int, i
         return 0, 0, 0, None
     start_epoch, skip, step = state["epoch"], state["batch_in_epoch"], state["step"]
     log(f"loaded {load}: epoch {start_epoch}" + (f" + {skip} batches" if skip else "") + f", step {step}")
-    return start_epoch, skip, step, state
+    return start_epoch, batches_to_skip(state, cfg.batch_size * trainer.dp_size), step, state
+
+
+def batches_to_skip(state: dict, global_batch: int) -> int:
+    """Where a run saved inside an epoch goes on: the first samples_in_epoch of the epoch's order are done.
+    DistributedSampler deals the epoch's permutation (seeded by seed + epoch, whatever the replica count) to the
+    replicas in turn, so k batches of b on each of d replicas are its first k*b*d samples (torch/utils/data/
+    distributed.py): with another batch size or replica count, the same samples are a different batch count."""
+    skip, samples = state["batch_in_epoch"], state.get("samples_in_epoch")
+    if not skip or samples is None or samples == skip * global_batch:
+        return skip
+    now = samples // global_batch  # rounded down: at most one global batch is trained twice, none left out
+    log(f"  the save was {samples} samples into epoch {state['epoch'] + 1} ({skip} batches of "
+        f"{samples // skip} over its replicas); with {global_batch} per step now, this run skips {now} batches")
+    return now
 
 
 def restore_rng(state: dict, rank: int) -> None:
@@ -1653,9 +1668,15 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
     log(f"  {trainer.describe()}")
     train_loader, test_loader = make_loaders(cfg, load_corpus(cfg, source, world), trainer, launch, cuda)
     start_epoch, skip, step, state = resume_point(cfg, trainer)  # loaded before DDP wraps the model
+    end_epoch = cfg.epochs
     if start_epoch >= cfg.epochs:
         log(f"nothing to train: the checkpoint holds {start_epoch} epoch(s) and --epochs is {cfg.epochs}; raise "
             f"--epochs to go on, or delete {cfg.load or cfg.save} (and its .resume.pt) to start afresh")
+    elif cfg.max_steps and step >= cfg.max_steps:  # --max-steps counts the loaded steps too
+        end_epoch = start_epoch
+        log(f"nothing to train: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}; raise "
+            f"--max-steps (or 0: no limit) to go on, or delete {cfg.load or cfg.save} (and its .resume.pt) to start "
+            "afresh")
     trainer.start()
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ between replicas
     if state is not None:
@@ -1664,7 +1685,7 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
     log(f"  model: {trainer.total_params / 1e6:.2f} M parameters; {len(train_loader)} steps per epoch")
     log(f"  {trainer.memory}")
     history, startup_s = [], None
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in range(start_epoch, end_epoch):
         ep = train_epoch(cfg, trainer, train_loader, epoch, skip, step, stop, world)
         step = ep.step
         check_finite(cfg, ep, epoch, world)  # before anything is saved over the last good checkpoint
@@ -1674,8 +1695,12 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
             return stop_and_checkpoint(cfg, trainer, ep, epoch, len(train_loader), stop, world)
         skip = 0
         history.append(end_of_epoch(cfg, trainer, test_loader, epoch, ep, world, cuda))
-        if save_progress(cfg, trainer, epoch + 1, 0, step, world):
-            log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}, step {step})")
+        # --max-steps can end the run inside an epoch: the checkpoint says which batch, so that --resume goes on
+        # from there (saved as a whole epoch, the rest of that epoch would never be trained)
+        done = ep.batches == len(train_loader)
+        if save_progress(cfg, trainer, epoch + int(done), 0 if done else ep.batches, step, world):
+            log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}"
+                + ("" if done else f" up to batch {ep.batches}/{len(train_loader)}") + f", step {step})")
         if cfg.max_steps and step >= cfg.max_steps:
             break
     finish(cfg, trainer, launch, history, startup_s, cuda)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import string
 import subprocess
@@ -28,16 +29,43 @@ def params(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.multiproc
 def test_resume_continues_the_same_trajectory(tmp_path):
-    args = [*COMMON, "--cache-dir", str(tmp_path)]
+    """--max-steps ends the first run 3 steps into epoch 2 (an epoch's end and a batch inside one are saved);
+    --resume trains the rest of epoch 2 and ends where the uninterrupted run ends."""
+    args = [*COMMON, "--cache-dir", str(tmp_path), "--epochs", "2"]
     straight, half = tmp_path / "straight.pt", tmp_path / "half.pt"
-    assert all(r.returncode == 0 for r in bench([*args, "--epochs", "2", "--save", str(straight)], ntasks=2))
-    assert all(r.returncode == 0 for r in bench([*args, "--epochs", "1", "--save", str(half)], ntasks=2))
-    resumed = bench([*args, "--epochs", "2", "--save", str(half), "--resume"], ntasks=2)
-    assert all(r.returncode == 0 for r in resumed) and "loaded" in resumed[0].stdout
+    [first, _] = bench([*args, "--save", str(straight)], ntasks=2)
+    assert first.returncode == 0, first.stderr[-2000:]
+    per_epoch = int(re.search(r"(\d+) steps per epoch", first.stdout)[1])
+    cut = bench([*args, "--max-steps", str(per_epoch + 3), "--save", str(half)], ntasks=2)
+    assert all(r.returncode == 0 for r in cut), cut[0].stderr[-2000:]
+    assert f"(epoch 2 up to batch 3/{per_epoch}, step {per_epoch + 3})" in cut[0].stdout
+    resumed = bench([*args, "--save", str(half), "--resume"], ntasks=2)
+    assert all(r.returncode == 0 for r in resumed), resumed[0].stderr[-2000:]
+    assert f"loaded {half}: epoch 1 + 3 batches, step {per_epoch + 3}" in resumed[0].stdout
     a, b = params(straight), params(half)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    # --max-steps counts the loaded steps: a file already past it trains nothing and is left as it is
+    again = bench([*args, "--epochs", "3", "--save", str(half), "--resume", "--max-steps", "5"], ntasks=2)
+    assert all(r.returncode == 0 for r in again), again[0].stderr[-2000:]
+    assert f"nothing to train: the checkpoint is at step {2 * per_epoch} and --max-steps is 5" in again[0].stdout
+    assert "checkpoint saved" not in again[0].stdout and all(torch.equal(params(half)[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("saved,now,skip", [
+    ((5, 16 * 2), 16 * 2, 5),  # same batch and replicas: the batch count as saved
+    ((5, 16 * 2), 32 * 1, 5),  # one replica of 32 instead of two of 16: the same 160 samples
+    ((5, 16 * 2), 16 * 4, 2),  # 160 samples are 2.5 steps of 64: 2 (half a step trained twice, none skipped)
+    ((3, None), 64, 3),  # a companion from before samples_in_epoch: its batch count
+    ((0, 0), 64, 0)])
+def test_resume_inside_an_epoch_with_another_global_batch(saved, now, skip):
+    import bench_ddp_transformer as b
+    batches, per_step = saved
+    state = {"epoch": 0, "batch_in_epoch": batches}
+    if per_step is not None:
+        state["samples_in_epoch"] = batches * per_step
+    assert b.batches_to_skip(state, now) == skip
 
 
 @pytest.mark.multiproc
