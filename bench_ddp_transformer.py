@@ -1335,14 +1335,17 @@ def settle_pair(target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batch_in_epoch: int, step: int,
+def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batches: int, n_batches: int, step: int,
                   world: int) -> bool:
     """Every rank calls it (the RNG states, and the stage layout's consolidation, are collectives); rank 0
-    writes --save and its companion. epoch: epochs fully done; batch_in_epoch: batches done in the next one.
+    writes --save and its companion. epoch: the one in progress (from 0), `batches` of its `n_batches` done: all of
+    them is the epoch done, fewer (a stop signal, --max-steps) a point inside it that --resume goes on from.
     A save that fails (a full disk, a quota) is one line, the previous pair stays, and training goes on: the
     next save tries again. Returns whether rank 0 saved (True on the other ranks)."""
     if not cfg.save:
         return False
+    done = batches == n_batches
+    epoch, batch_in_epoch = (epoch + 1, 0) if done else (epoch, batches)
     state = trainer.state()
     rngs = rng_states(world)
     if idr_torch.rank != 0:
@@ -1697,10 +1700,10 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
         history.append(end_of_epoch(cfg, trainer, test_loader, epoch, ep, world, cuda))
         # --max-steps can end the run inside an epoch: the checkpoint says which batch, so that --resume goes on
         # from there (saved as a whole epoch, the rest of that epoch would never be trained)
-        done = ep.batches == len(train_loader)
-        if save_progress(cfg, trainer, epoch + int(done), 0 if done else ep.batches, step, world):
+        if save_progress(cfg, trainer, epoch, ep.batches, len(train_loader), step, world):
             log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}"
-                + ("" if done else f" up to batch {ep.batches}/{len(train_loader)}") + f", step {step})")
+                + ("" if ep.batches == len(train_loader) else f" up to batch {ep.batches}/{len(train_loader)}")
+                + f", step {step})")
         if cfg.max_steps and step >= cfg.max_steps:
             break
     finish(cfg, trainer, launch, history, startup_s, cuda)
@@ -1808,8 +1811,7 @@ def end_of_epoch(cfg: argparse.Namespace, trainer: Trainer, test_loader: torch.u
 def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Trainer, ep: Epoch, epoch: int, n_batches: int,
                         stop: StopRequest, world: int) -> int:
     """Every rank stopped at the same step: checkpoint where we are (mid-epoch too), exit 75 (requeue)."""
-    done_all = ep.batches == n_batches
-    saved = save_progress(cfg, trainer, epoch + int(done_all), 0 if done_all else ep.batches, ep.step, world)
+    saved = save_progress(cfg, trainer, epoch, ep.batches, n_batches, ep.step, world)
     log(f"stopping on {stop.signal or 'a signal to another task'} at epoch {epoch + 1}, "
         f"batch {ep.batches}/{n_batches}, step {ep.step}: "
         + (f"checkpoint saved to {cfg.save}; run again with --resume (the templates requeue) to go on" if saved
