@@ -153,12 +153,15 @@ def pick_engine(requested: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # the model of the page: Encoder on the task's first GPU, Layer blocks split by the plan, Decoder on its last
 class Encoder(nn.Module):
-    """Token embedding + sinusoidal positions."""
+    """Token embedding + sinusoidal positions.
+
+    Not scaled by sqrt(d_model) (the Transformer paper's tied-embedding habit): nn.Embedding starts at N(0, 1), so
+    the scale made each token 32 times larger than its position at d_model 1024 and drowned the positional table
+    (ARCHITECTURE post-ln/2)."""
 
     def __init__(self, ntokens: int, d_model: int, dropout: float, seq_len: int) -> None:
         super().__init__()
         self.embedding = nn.Embedding(ntokens, d_model)
-        self.scale = math.sqrt(d_model)
         position = torch.arange(seq_len).unsqueeze(1)
         div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
         pe = torch.zeros(seq_len, d_model)
@@ -168,7 +171,19 @@ class Encoder(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.size(1)])
+        return self.dropout(self.embedding(tokens) + self.pe[: tokens.size(1)])
+
+
+# The architecture of the saved model (the companion records it; a checkpoint of another one is refused in one
+# line). post-ln/2: the page's blocks (nn.TransformerEncoderLayer: LayerNorm after each residual add), the embedding
+# no longer scaled by sqrt(d_model) (post-ln/1 scaled it). What made the GPU defaults collapse to one class on an
+# H200 (d_model 1024, AdamW at 1e-3 constant, at every depth) was the rate, not the blocks: lr x d_model about 1.
+# Measured on the CPU at d_model 1024, 2 layers, 20 steps (docs/gpu.md): at lr 1e-3 with a 10 % warmup the page's
+# blocks went to a running loss of 3.3 and pre-LN blocks with a final LayerNorm to 1.8 (both test acc 0.500); at
+# the new default (1e-4, --lr) both stayed at or under 0.74 and learned (0.598 and 0.576 after 20 steps). So the
+# page's blocks stay, and with them the memory model's op-by-op tape of that exact layer.
+ARCHITECTURE = "post-ln/2"
+ARCHITECTURE_CHANGE = "the embedding is no longer scaled by sqrt(d_model)"
 
 
 def Layer(d_model: int, n_head: int, d_hid: int, dropout: float, checkpointing: bool = False) -> nn.Module:
@@ -451,6 +466,7 @@ class Trainer(Protocol):
     def load(self, model_state: dict, optimizer_state: dict | None) -> None: ...
     def start(self) -> None: ...
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def set_lr(self, lr: float) -> None: ...
     def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
     def state(self) -> tuple[dict, dict] | None: ...
     def synchronize(self) -> None: ...
@@ -516,7 +532,7 @@ class Replica:
             self.scaler.update()
         self.steps += 1
         self.watchdog.tick(self.steps)
-        return torch.stack([loss * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
+        return step_stats(loss, logits, y)
 
     def state(self) -> tuple[dict, dict] | None:
         """What rank 0 saves: the page's `model.module.state_dict()` (the whole replica, no 'module.' prefix),
@@ -537,7 +553,13 @@ class Replica:
         self.model.train()
         self.watchdog.tick(self.steps)
         y = y.to(self.last_part_device, non_blocking=True)
-        return torch.stack([(logits.argmax(1) == y).sum(), torch.tensor(len(y), device=y.device)])
+        return step_stats(None, logits, y)
+
+    def set_lr(self, lr: float) -> None:
+        """The schedule's rate for the next step (lr_at). A plain float in each group: no tensor, no host sync; under
+        --zero the wrapper's groups, which ZeroRedundancyOptimizer.step() copies into its local AdamW."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def describe(self) -> str:
         return (f"{self.dp_size} replica(s), nb_part {self.nb_part}, {options_text(self.cfg, self.dp_size)} "
@@ -569,6 +591,16 @@ class Replica:
         if getattr(self, "watchdog", None):
             self.watchdog.stop()
         self.model.close()
+
+
+def step_stats(loss: torch.Tensor | None, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(loss x samples, correct, samples) of a training step, (correct, samples) of an evaluation step: on the
+    device, never read here. Nothing is built from host data: torch.tensor(len(y), device=...) was a synchronous
+    host-to-device copy every step (9-20 % of a host-bound bf16 step on an H200); torch.full is a fill kernel whose
+    value travels as a kernel argument. tests/test_train.py records the step's ops to hold it."""
+    count = torch.full((), len(y), dtype=torch.float32, device=logits.device)
+    correct = (logits.argmax(1) == y).sum().float()
+    return torch.stack([correct, count] if loss is None else [loss * len(y), correct, count])
 
 
 def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -609,6 +641,9 @@ def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable
         except RunError as exc:
             problem = str(exc)
         torch.set_num_threads(cpu_threads(launch))
+        # --tf32: fp32 matmuls on TF32 tensor cores where the GPU has them (compute capability >= 8.0); off by
+        # default (torch's own default since 1.12, and the page's), nothing to do on the CPU or a V100
+        torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
         check_rendezvous(launch, cfg.timeout)
         with rendezvous_deadline(launch, cfg.timeout):
             init_distributed(cfg.timeout, cuda)
@@ -1222,7 +1257,8 @@ def stale_temporaries(target: Path) -> list[Path]:
 def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
     """What a checkpoint must match: the model and how many parts it is cut in (whatever the layout:
     nb_part 2 here and bench_stage.py --pp 2 hold the same parts under the same keys)."""
-    return {"nb_part": nb_part, **{a.dest: getattr(cfg, a.dest) for a in check_topology.ARGS if a.checkpoint},
+    return {"architecture": ARCHITECTURE, "nb_part": nb_part,
+            **{a.dest: getattr(cfg, a.dest) for a in check_topology.ARGS if a.checkpoint},
             "part_sizes": check_topology.part_sizes(cfg.nlayers, nb_part)}
 
 
@@ -1459,6 +1495,10 @@ def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None
                            "weights with a fresh optimizer")
         state = next_state
     mine, theirs = layout_of(cfg, nb_part), state["layout"]
+    if theirs.get("architecture") != ARCHITECTURE:  # the same keys and shapes, another function of them
+        raise RunError(f"--load {path} holds a model of architecture {theirs.get('architecture', 'post-ln/1')} "
+                       f"(this kit's is {ARCHITECTURE}: {ARCHITECTURE_CHANGE}); its weights would load and mean "
+                       f"something else: start afresh (another --save path), or go on with the kit that saved it")
     if mine != theirs:
         diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
         raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
@@ -1659,6 +1699,7 @@ class Epoch:
     t_timed: float | None = None  # when the timed steps began (after the warm-up)
     first_batch_at: float | None = None
     first_bad: torch.Tensor | None = None  # the first step whose loss was not finite (0: none), on the device
+    lr: float | None = None  # the schedule's rate at the last step trained
 
 
 def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, source: Path | None,
@@ -1669,7 +1710,9 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
         f"{launch.num_nodes} node(s), chunks {cfg.chunks}, batch {cfg.batch_size}/replica "
         f"({cfg.batch_size * dp} global)")
     log(f"  {trainer.describe()}")
-    train_loader, test_loader = make_loaders(cfg, load_corpus(cfg, source, world), trainer, launch, cuda)
+    data = load_corpus(cfg, source, world)
+    train_loader, test_loader = make_loaders(cfg, data, trainer, launch, cuda)
+    chance = chance_accuracy(data["test_y"])
     start_epoch, skip, step, state = resume_point(cfg, trainer)  # loaded before DDP wraps the model
     end_epoch = cfg.epochs
     if start_epoch >= cfg.epochs:
@@ -1689,7 +1732,8 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
     log(f"  {trainer.memory}")
     history, startup_s = [], None
     for epoch in range(start_epoch, end_epoch):
-        ep = train_epoch(cfg, trainer, train_loader, epoch, skip, step, stop, world)
+        ep = train_epoch(cfg, trainer, train_loader, epoch, skip, step, stop, world,
+                         run_steps(cfg, len(train_loader)))
         step = ep.step
         check_finite(cfg, ep, epoch, world)  # before anything is saved over the last good checkpoint
         if startup_s is None and ep.first_batch_at is not None:  # imports, data, model: before step 1
@@ -1706,8 +1750,43 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
                 + f", step {step})")
         if cfg.max_steps and step >= cfg.max_steps:
             break
-    finish(cfg, trainer, launch, history, startup_s, cuda)
+    finish(cfg, trainer, launch, history, startup_s, cuda, chance)
     return 0
+
+
+def chance_accuracy(labels: torch.Tensor) -> tuple[float, float]:
+    """What guessing earns on the test set (its majority class's share), and the margin above it that a run must
+    clear to have learned: 3 standard errors of an accuracy measured on that many reviews, at least 0.02."""
+    n = max(len(labels), 1)
+    share = torch.bincount(labels.long()).max().item() / n if len(labels) else 0.5
+    return share, max(0.02, 3 * math.sqrt(share * (1 - share) / n))
+
+
+def throughput(cfg: argparse.Namespace, trainer: Trainer, samples_per_s: float | None,
+               gpu_name: str | None) -> dict:
+    """The distance to the physical limit: the model's FLOPs per sample (check_topology.flops_per_sample), the
+    TFLOP/s the run reached (all its GPUs, and per GPU), and on a GPU the share of that GPU's dense peak for the
+    precision its matmuls run in (check_topology.PEAK_TFLOPS)."""
+    fps = check_topology.flops_per_sample({k: getattr(cfg, k) for k in ("d_model", "d_hid", "seq_len", "nlayers")})
+    gpus = trainer.record().get("gpus") or 1
+    tflops = fps * samples_per_s / 1e12 if samples_per_s else None
+    peak = check_topology.peak_tflops(gpu_name, cfg.precision, cfg.tf32) if gpu_name else None
+    per_gpu = tflops / gpus if tflops is not None and gpu_name else None
+    return {"flops_per_sample": fps, "tflops": tflops, "tflops_per_gpu": per_gpu, "peak_tflops": peak,
+            "peak_share": per_gpu / peak if per_gpu is not None and peak else None}
+
+
+def speed_text(speed: dict, gpu_name: str | None, cfg: argparse.Namespace) -> str:
+    """', 41.2 TFLOP/s (41.2 per GPU, 62 % of the H200's fp32 peak of 67)' for the summary line."""
+    if speed["tflops"] is None:
+        return ""
+    text = f", {speed['tflops']:.3g} TFLOP/s"
+    if speed["tflops_per_gpu"] is not None:
+        text += f" ({speed['tflops_per_gpu']:.3g} per GPU"
+        kind = "tf32" if cfg.precision == "fp32" and cfg.tf32 else cfg.precision
+        text += (f", {100 * speed['peak_share']:.0f} % of the {gpu_name}'s {kind} peak of {speed['peak_tflops']:g})"
+                 if speed["peak_share"] is not None else f"; no {kind} peak known for {gpu_name})")
+    return text
 
 
 def check_finite(cfg: argparse.Namespace, ep: Epoch, epoch: int, world: int) -> None:
@@ -1741,9 +1820,31 @@ def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Trainer, launch: 
     return train_loader, test_loader
 
 
+def run_steps(cfg: argparse.Namespace, steps_per_epoch: int) -> int:
+    """The steps of the whole run, which the lr's schedule spans: --epochs of them, or --max-steps if fewer."""
+    total = cfg.epochs * steps_per_epoch
+    return min(total, cfg.max_steps) if cfg.max_steps else total
+
+
+def lr_at(cfg: argparse.Namespace, step: int, total: int) -> float:
+    """--lr's schedule at `step` (0-based, over the whole run: a resumed run goes on where it was) of `total`:
+    a linear warmup from 0 over --lr-warmup of the steps, then --lr-decay down to 0 at the last step (BERT's
+    linear, or cosine), or constant. Computed from the step, not kept in a scheduler's state: a resume with
+    another --lr, --lr-warmup or --epochs follows the new schedule from its step on (the companion records it)."""
+    warm = round(cfg.lr_warmup * total)
+    if step < warm:
+        return cfg.lr * (step + 1) / (warm + 1)
+    if cfg.lr_decay == "none":
+        return cfg.lr
+    done = min((step - warm) / max(total - warm, 1), 1.0)
+    factor = 1.0 - done if cfg.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return cfg.lr * factor
+
+
 def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.data.DataLoader, epoch: int,
-                skip: int, step: int, stop: StopRequest, world: int) -> Epoch:
-    """One epoch from batch `skip` on (resumed inside this epoch: same sampler order, those are done)."""
+                skip: int, step: int, stop: StopRequest, world: int, total: int) -> Epoch:
+    """One epoch from batch `skip` on (resumed inside this epoch: same sampler order, those are done); `total`:
+    the run's steps, for the lr's schedule."""
     loader.sampler.sampler.set_epoch(epoch)
     ep = Epoch(step=step, stats=torch.zeros(3, dtype=torch.float64, device=trainer.stats_device),
                first_bad=torch.zeros((), dtype=torch.int64, device=trainer.stats_device))
@@ -1753,9 +1854,11 @@ def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.d
         if i < skip:
             continue
         ep.first_batch_at = ep.first_batch_at or time.time()
-        if i == skip + cfg.warmup_steps:  # counted from the first batch this run trains on
+        if i == skip + cfg.untimed_steps:  # counted from the first batch this run trains on
             trainer.synchronize()
             ep.t_timed = time.time()
+        ep.lr = lr_at(cfg, ep.step, total)
+        trainer.set_lr(ep.lr)
         stats = trainer.train_step(x, y)
         ep.stats += stats  # stays on the device: no .item() (a host sync) in the loop
         ep.step += 1
@@ -1797,7 +1900,7 @@ def end_of_epoch(cfg: argparse.Namespace, trainer: Trainer, test_loader: torch.u
     seen = max(ep.stats[2].item(), 1)
     row = {"epoch": epoch + 1, "steps": ep.batches, "loss": ep.stats[0].item() / seen,
            "train_acc": ep.stats[1].item() / seen, "test_acc": test_acc, "epoch_time_s": t_end - ep.t_begin,
-           "samples_per_s": samples_per_s, "timed_steps": ep.timed_steps,
+           "samples_per_s": samples_per_s, "timed_steps": ep.timed_steps, "lr": ep.lr,
            "peak_gpu_mem_gb": peak_gb if cuda else None, "host_rss_gb": rss_gb}
     log(f"epoch {row['epoch']:3d} | steps {row['steps']:5d} | loss {row['loss']:.4f} | train acc "
         f"{row['train_acc']:.3f} | test acc {test_acc:.3f} | {row['epoch_time_s']:7.1f}s | "
@@ -1821,8 +1924,8 @@ def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Trainer, ep: Epoch, ep
 
 
 def finish(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, history: list[dict],
-           startup_s: float | None, cuda: bool) -> None:
-    """The replica check, the summary line and the JSON record."""
+           startup_s: float | None, cuda: bool, chance: tuple[float, float] = (0.5, 0.02)) -> None:
+    """The replica check, the summary line and the JSON record; a run that ends at chance says so in both."""
     gap = trainer.divergence()
     plans: list = [None] * launch.size  # where every task put its parts, for the record
     if launch.size > 1:
@@ -1834,17 +1937,29 @@ def finish(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, 
         return
     best = max((r["samples_per_s"] for r in history if r["samples_per_s"]), default=None)
     total_s = time.time() - psutil.Process().create_time()
+    gpu_name = torch.cuda.get_device_name(trainer.stats_device) if cuda else None
+    speed = throughput(cfg, trainer, best, gpu_name)
+    acc, (chance_acc, margin) = history[-1]["test_acc"], chance
+    learned = acc > chance_acc + margin
     log(f"summary: {trainer.name} layout, {trainer.dp_size} replica(s) x {trainer.nb_part} part(s), chunks "
-        f"{cfg.chunks}, batch {cfg.batch_size}/replica: " + (f"{best:.1f} samples/s (best epoch), " if best else "")
-        + f"final test acc {history[-1]['test_acc']:.3f}, total {total_s:.1f}s")
+        f"{cfg.chunks}, batch {cfg.batch_size}/replica: "
+        + (f"{best:.1f} samples/s (best epoch){speed_text(speed, gpu_name, cfg)}, " if best else "")
+        + f"final test acc {acc:.3f}, total {total_s:.1f}s")
+    if not learned:
+        log(f"warning: the model did not learn: final test acc {acc:.3f} is not clearly above chance (the test "
+            f"set's majority class is {chance_acc:.3f}; above {chance_acc + margin:.3f} is 3 standard errors clear of "
+            f"it). Its speed is real, its result is not: if the loss rose, lower --lr (now {cfg.lr:g}) or raise "
+            f"--lr-warmup (now {cfg.lr_warmup:g}); if it fell, train longer")
     if cfg.json_out and launch.rank == 0:
         record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, **trainer.record(),
                   "backend": dist.get_backend(), "device": "cuda" if cuda else "cpu",
-                  "gpu_name": torch.cuda.get_device_name(trainer.stats_device) if cuda else None,
+                  "gpu_name": gpu_name, **speed, "learned": learned, "chance_acc": chance_acc,
                   "nodes": launch.num_nodes, "tasks": launch.size, "tasks_per_node": launch.local_world_size,
                   "world_size": launch.size, "replicas": trainer.dp_size, "chunks": cfg.chunks,
                   "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * trainer.dp_size,
                   **{a.dest: getattr(cfg, a.dest) for a in check_topology.ARGS if a.group in ("model", "memory")},
+                  "architecture": ARCHITECTURE, "lr": cfg.lr, "lr_warmup": cfg.lr_warmup, "lr_decay": cfg.lr_decay,
+                  "untimed_steps": cfg.untimed_steps,
                   "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
                   "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
                   "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"], "host_rss_gb": history[-1]["host_rss_gb"],

@@ -206,7 +206,7 @@ class Stages:  # a bench.Trainer
             return torch.zeros(3, device=self.device)
         y = y.to(self.device, non_blocking=True)
         loss = torch.stack([l.detach() for l in self._losses]).mean()
-        return torch.stack([loss * len(y), (out.detach().argmax(1) == y).sum(), torch.tensor(len(y), device=self.device)])
+        return bench.step_stats(loss, out.detach(), y)
 
     @torch.no_grad()
     def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -223,7 +223,13 @@ class Stages:  # a bench.Trainer
         if not self.last_holder:
             return torch.zeros(2, device=self.device)
         y = y.to(self.device, non_blocking=True)
-        return torch.stack([(out.argmax(1) == y).sum(), torch.tensor(len(y), device=self.device)])
+        return bench.step_stats(None, out, y)
+
+    def set_lr(self, lr: float) -> None:
+        """As Replica.set_lr, in every stage's optimizer."""
+        for opt in self.optimizers.values():
+            for group in opt.param_groups:
+                group["lr"] = lr
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -224,6 +224,10 @@ ARGS = (
     Arg("--activation-checkpointing", None, False, group="memory",
         help="each Layer keeps only its input and recomputes the rest in backward (torch.utils.checkpoint)"),
     Arg("--zero", None, False, group="memory", help="ZeroRedundancyOptimizer: AdamW's state sharded over the replicas"),
+    # off by default, as the page has it (and torch since 1.12: torch.backends.cuda.matmul.allow_tf32 = False);
+    # the same bytes as fp32 (the memory model has no term for it), TF32's tensor cores on compute capability >= 8.0
+    Arg("--tf32", None, False, group="memory",
+        help="fp32 matmuls on TF32 tensor cores (A100, H100; a V100 has none): 10-bit mantissa, fp32's range"),
     # the replica layout's pipeline (bench_ddp_transformer.py)
     Arg("--nb-part", int, None, lo=1, hi=MAX_GPUS_PER_NODE, layouts=("replica",), group="pipeline",
         help=f"GPUs per replica (default: the page's GPUs per node // tasks per node; CPU {CPU_NB_PART})"),
@@ -243,8 +247,18 @@ ARGS = (
     # the run
     Arg("--epochs", int, 3, lo=1, hi=100_000),
     Arg("--max-steps", int, 0, lo=0, hi=10**9, why="0: no limit", help="stop after this many steps in all"),
-    Arg("--warmup-steps", int, 3, lo=0, hi=10**6, help="steps left out of the timing (allocator, autotuning)"),
-    Arg("--lr", float, 1e-3, lo=0, hi=10, lo_open=True, help="AdamW's learning rate"),
+    Arg("--untimed-steps", int, 3, lo=0, hi=10**6,
+        help="first steps of each epoch left out of the samples/s (allocator, autotuning); not the lr's warmup"),
+    # The learning rate: AdamW's peak rate, reached after --lr-warmup of the run's steps, then decayed (the
+    # Transformer paper's and BERT's practice). Default min(1e-3, LR_TIMES_WIDTH / d_model): 1e-3 on the CPU
+    # (d_model 64), 1e-4 at the GPU's d_model 1024. Measured on an H200 (docs/gpu.md): lr x d_model about 1 collapsed
+    # to one class at every depth, 0.26 learned then slipped, 0.1 learned.
+    Arg("--lr", float, None, lo=0, hi=10, lo_open=True, why="AdamW's peak rate",
+        help="AdamW's peak learning rate (default min(1e-3, 0.1 / d_model): 1e-4 at d_model 1024)"),
+    Arg("--lr-warmup", float, 0.1, lo=0, hi=1, hi_open=True, why="a fraction of the run's steps",
+        help="fraction of the run's steps over which the lr rises linearly from 0 to --lr"),
+    Arg("--lr-decay", str, "linear", choices=("linear", "cosine", "none"),
+        help="after the warmup: linear or cosine down to 0 at the run's last step, or none (constant)"),
     # torch.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed onto a positive one; the trainer seeds
     # rank r with seed + 1 + r and the sampler with seed + epoch, which this range keeps valid and distinct
     Arg("--seed", int, 1234, lo=0, hi=2**63 - 1, help="the model's initial weights, the data order, dropout"),
@@ -271,6 +285,16 @@ ARGS = (
 )
 ARG = {a.dest: a for a in ARGS}
 
+# --lr's default: AdamW's peak rate falls with the width, lr x d_model = LR_TIMES_WIDTH, capped at MAX_DEFAULT_LR
+# (the measurements are on --lr, above).
+LR_TIMES_WIDTH, MAX_DEFAULT_LR = 0.1, 1e-3
+
+
+def default_lr(d_model: int) -> float:
+    """--lr where the line gives none: 1e-3 at the CPU's d_model 64, 1e-4 at the GPU's 1024."""
+    return min(MAX_DEFAULT_LR, LR_TIMES_WIDTH / d_model)
+
+
 # The model and batch the trainer runs where the line gives none (views of ARGS, for the memory model and tests).
 GPU_DEFAULTS = {a.dest: a.gpu for a in ARGS if a.group == "model"}
 CPU_DEFAULTS = {a.dest: a.cpu_default for a in ARGS if a.group == "model"}
@@ -292,6 +316,7 @@ class Training:
     precision: str = ARG["precision"].gpu  # fp32, bf16 or fp16 (autocast)
     activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
     zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
+    tf32: bool = False  # --tf32: fp32 matmuls on TF32 tensor cores (no memory term: the same bytes as fp32)
     model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
     devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
     save: str | None = None  # --save PATH (checked for writing by the trainer, at start-up)
@@ -406,9 +431,16 @@ class TrainerLine:
     help: bool = False
 
 
+# Options the trainers had and renamed: a line that still has one is refused with the new name and why.
+RENAMED = {"--warmup-steps": "--untimed-steps (the steps left out of the timing: it never warmed the learning rate "
+                             "up, which is --lr-warmup, a fraction of the run's steps)"}
+
+
 def unknown_option(token: str, flags: Iterable[str], prog: str) -> str:
     """The refusal of an option argparse does not have, naming the full option it may stand for."""
     name = token.partition("=")[0]
+    if name in RENAMED:
+        return f"{name} is now {RENAMED[name]}"
     flags = list(flags)
     dashed = "--" + name.lstrip("-").replace("_", "-") if name.startswith("--") else name
     head = f"{name} is not an option of {prog}"
@@ -555,6 +587,8 @@ def resolve_defaults(values: argparse.Namespace, cuda: bool) -> argparse.Namespa
     for dest, default in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
         if getattr(values, dest, None) is None:
             setattr(values, dest, default)
+    if getattr(values, "lr", 0) is None and getattr(values, "d_model", None):
+        values.lr = default_lr(values.d_model)
     return values
 
 
@@ -1167,11 +1201,10 @@ def _linear_backward(t: _Tape, name: str, low: int, numel: int, grad_input: dict
 
 
 def _encoder_forward(z: _Dims, t: _Tape) -> None:
-    """Encoder: embedding (fp32: autocast leaves it alone) * sqrt(d_model) + positions, dropout; output e."""
+    """Encoder: embedding (fp32: autocast leaves it alone) + positions, dropout; output e."""
     E = 4 * z.d * z.n
     t.op(emb=E)
-    t.op("emb", es=E)
-    t.op("es", e=E)
+    t.op("emb", e=E)
     if z.drop:
         t.op("e", me=z.mask(E // 4, 4), ed=E)
         t.rename("ed", "e")
@@ -1186,9 +1219,8 @@ def _encoder_backward(z: _Dims, mode: str) -> _Tape:
     if z.drop:
         t.op("g", "me", gd=E)
         t.rename("gd", "g")
-    t.op("g", gs=E)
     t.op(etmp=0 if z.cpu else 32 * z.n + 4 * z.d * (z.n // 4 + min(z.n, z.vocab)))
-    t.op("etmp", "gs", new_emb=V)
+    t.op("etmp", "g", new_emb=V)
     t.keep("emb", 0, z.vocab * z.d, mode)
     return t
 
@@ -1930,6 +1962,41 @@ def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | 
 # all-reduce where the backward does not hide it, and the optimizer. Every constant comes from the profile: none
 # is built in, and none was taken on a GPU here.
 
+# The distance to the physical limit. flops_per_sample counts the model's matmul FLOPs from its shapes (what
+# torch.utils.flop_counter counts: tests/test_speed.py holds the two equal); PEAK_TFLOPS are NVIDIA's dense
+# (no sparsity) tensor-core peaks of the SXM parts, per precision, from their data sheets (V100: Volta whitepaper,
+# 125 TF fp16 and 15.7 fp32, no bf16 or TF32; A100: 312 bf16/fp16, 156 TF32, 19.5 fp32; H100 SXM: 989, 495, 67;
+# H200: H100's compute). A PCIe card peaks lower: the share is then an underestimate.
+PEAK_TFLOPS = {  # GPU family (a word of torch.cuda.get_device_name): {matmul precision: dense TFLOP/s}
+    "V100": {"fp32": 15.7, "fp16": 125.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    "H100": {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0},
+    "H200": {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0},
+}
+
+
+def flops_per_sample(model: dict) -> float:
+    """The matmul FLOPs of one training sample of the kit's Transformer: forward + backward = 3 x forward (the
+    backward computes the gradients of the inputs and of the weights, each a forward's worth), the convention of
+    model FLOPs utilisation (PaLM, Chowdhery et al. 2022, appendix B): activation checkpointing's recomputation is
+    not counted. Per Layer: the q, k, v and output projections 4 x 2 s d^2, the feed-forward 2 x 2 s d d_hid, the
+    attention scores and their weighted sum 2 x 2 s^2 d; the Decoder's head 2 (d d_hid + 2 d_hid). The embedding is
+    a lookup, LayerNorm, softmax and the adds are not matmuls (a few % more on the GPU, uncounted as everywhere)."""
+    d, f, s = model["d_model"], model["d_hid"], model["seq_len"]
+    layer = 2 * s * (4 * d * d + 2 * d * f) + 4 * s * s * d
+    return 3.0 * (model["nlayers"] * layer + 2 * (d * f + f * 2))
+
+
+def peak_tflops(gpu_name: str | None, precision: str, tf32: bool = False) -> float | None:
+    """The dense peak of this GPU for the precision its matmuls run in (fp32, TF32 under --tf32, bf16, fp16), or
+    None where PEAK_TFLOPS does not know the GPU or it has no such unit (a V100's bf16; --tf32 on a V100 runs fp32)."""
+    kind = "tf32" if precision == "fp32" and tf32 else precision
+    for family, peaks in PEAK_TFLOPS.items():
+        if gpu_name and family in gpu_name.upper():
+            return peaks.get(kind, peaks["fp32"] if kind == "tf32" else None)  # no TF32 unit: fp32 matmuls
+    return None
+
+
 PROFILE_FORMAT = "kit-profile/1"
 PROFILE_MODEL = ("d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout")  # what a profile is taken for
 # DistributedDataParallel's buckets: bucket_cap_mb=25, and the first bucket 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES),
@@ -2413,6 +2480,7 @@ CATCHES = {
                               "above its own"),
     "memory-tight": ("warning", "a GPU's estimated peak memory above 90 % of its own"),
     "bf16-on-v100": ("error", "--precision bf16 on V100 GPUs, which have no bf16"),
+    "tf32-on-v100": ("warning", "--tf32 on V100 GPUs, which have no TF32 units: fp32 matmuls as without it"),
     "fp16-stage": ("error", "--precision fp16 in the stage layout, whose schedules leave no place for a GradScaler"),
     # the model and the pipeline
     "nlayers-below-nb-part": ("error", "fewer layers than GPUs per task"),
@@ -5296,6 +5364,9 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
     if t.precision == "bf16" and v100:
         findings.error("bf16-on-v100", "--precision bf16 on V100 GPUs: V100s have no bf16; use --precision fp16 "
                        "(autocast with a GradScaler)")
+    if t.tf32 and v100:
+        findings.warn("tf32-on-v100", "--tf32 on V100 GPUs: TF32 tensor cores start with the A100 (compute "
+                      "capability 8.0), so fp32 matmuls run as without it; for speed on a V100 use --precision fp16")
     if gib is None or nb_part < 1 or replicas < 1 or t.unknown:
         return None  # unknown GPU, or arguments the line leaves unknown (shell variables)
     model = model_args(t)

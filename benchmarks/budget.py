@@ -83,7 +83,7 @@ def bare_loop(python: str, args: list[str], micro: int) -> float:
 
 def overhead(python: str, cache: Path, repeats: int) -> list[str]:
     args = [*MODEL, "--chunks", "4", "--synthetic", str(32 * (STEPS + 5)), "--epochs", "1",
-            "--max-steps", str(STEPS), "--warmup-steps", str(WARMUP)]
+            "--max-steps", str(STEPS), "--untimed-steps", str(WARMUP)]
     run_script(python, args, cache)  # warm the tokenised cache
     script, bare, bare_micro = [], [], []
     for _ in range(repeats):  # interleaved, so drift hits all three alike
@@ -103,7 +103,7 @@ def overhead(python: str, cache: Path, repeats: int) -> list[str]:
 def engines(python: str, cache: Path) -> list[str]:
     rows = []
     base = [*MODEL, "--synthetic", str(32 * (STEPS + 5)), "--epochs", "1", "--max-steps", str(STEPS),
-            "--warmup-steps", str(WARMUP)]
+            "--untimed-steps", str(WARMUP)]
     run_script(python, [*base, "--chunks", "1", "--engine", "fairscale"], cache)
     for chunks in (1, 4, 8):
         f = run_script(python, [*base, "--chunks", str(chunks), "--engine", "fairscale"], cache)

@@ -63,7 +63,7 @@ def measure(split: tuple, model_argv: list[str], predicted_step: float, out: Pat
     layout, parts, replicas, batch, chunks = split
     steps = int(min(60, max(8, 3.0 / predicted_step)))
     common = ["--chunks", str(chunks), "--batch-size", str(batch), "--epochs", "1", "--max-steps", str(steps + 3),
-              "--warmup-steps", "3", "--synthetic", str(batch * replicas * (steps + 4)), "--json-out", str(out),
+              "--untimed-steps", "3", "--synthetic", str(batch * replicas * (steps + 4)), "--json-out", str(out),
               "--seed", "1"]
     if layout == "replica":  # one replica on one core: one thread per process, as every other run here
         torchrun(replicas, "bench_ddp_transformer.py", ["--nb-part", str(parts), *common, *model_argv],

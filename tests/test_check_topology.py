@@ -257,7 +257,7 @@ NOT_IN_CORPUS = {
     "ntasks-below-nodes": "test_placement_measured", "step-nodes": "test_placement_measured",
     "srun-ntasks-per-node-conflict": "test_placement_measured",
     "does-not-fit": "tests/test_memory.py", "memory-tight": "tests/test_memory.py",
-    "bf16-on-v100": "tests/test_memory.py",
+    "bf16-on-v100": "tests/test_memory.py", "tf32-on-v100": "tests/test_gpu_truth.py",
     "fp16-stage": "tests/test_options.py",
     "torch-release": "the trainers and their --check-args (tests/test_args.py); a job script's module line gives "
                      "engine-unavailable / torch-too-old",

@@ -276,7 +276,7 @@ def test_three_clearly_different_splits_rank_as_predicted(tiny_profile, tmp_path
         m = dict(model, batch_size=values.batch_size, chunks=values.chunks)
         predicted.append(ct.predict_speed(tiny_profile, m, ct.Training(), values.nb_part, n, n)["samples_per_s"])
         out = tmp_path / f"run{len(measured)}.jsonl"
-        procs = bench([*argv, *TINY, "--epochs", "1", "--max-steps", "43", "--warmup-steps", "3",
+        procs = bench([*argv, *TINY, "--epochs", "1", "--max-steps", "43", "--untimed-steps", "3",
                        "--synthetic", str(values.batch_size * n * 44), "--json-out", str(out)], ntasks=n)
         assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
         measured.append(json.loads(out.read_text())["samples_per_s"])
