@@ -1826,19 +1826,22 @@ def run_steps(cfg: argparse.Namespace, steps_per_epoch: int) -> int:
     return min(total, cfg.max_steps) if cfg.max_steps else total
 
 
+LR_FLOOR = 0.1  # where --lr-decay ends, a fraction of --lr: nanoGPT's min_lr = lr / 10 (after Chinchilla's cosine)
+
+
 def lr_at(cfg: argparse.Namespace, step: int, total: int) -> float:
     """--lr's schedule at `step` (0-based, over the whole run: a resumed run goes on where it was) of `total`:
-    a linear warmup from 0 over --lr-warmup of the steps, then --lr-decay down to 0 at the last step (BERT's
-    linear, or cosine), or constant. Computed from the step, not kept in a scheduler's state: a resume with
-    another --lr, --lr-warmup or --epochs follows the new schedule from its step on (the companion records it)."""
+    a linear warmup from 0 over --lr-warmup of the steps, then --lr-decay (cosine or linear) down to LR_FLOOR x --lr
+    at the last step, or constant. Computed from the step, not kept in a scheduler's state: a resume with another
+    --lr, --lr-warmup or --epochs follows the new schedule from its step on (the record has each epoch's rate)."""
     warm = round(cfg.lr_warmup * total)
     if step < warm:
         return cfg.lr * (step + 1) / (warm + 1)
     if cfg.lr_decay == "none":
         return cfg.lr
-    done = min((step - warm) / max(total - warm, 1), 1.0)
+    done = min((step - warm) / max(total - warm - 1, 1), 1.0)
     factor = 1.0 - done if cfg.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
-    return cfg.lr * factor
+    return cfg.lr * (LR_FLOOR + (1.0 - LR_FLOOR) * factor)
 
 
 def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.data.DataLoader, epoch: int,

@@ -250,15 +250,15 @@ ARGS = (
     Arg("--untimed-steps", int, 3, lo=0, hi=10**6,
         help="first steps of each epoch left out of the samples/s (allocator, autotuning); not the lr's warmup"),
     # The learning rate: AdamW's peak rate, reached after --lr-warmup of the run's steps, then decayed (the
-    # Transformer paper's and BERT's practice). Default min(1e-3, LR_TIMES_WIDTH / d_model): 1e-3 on the CPU
+    # Transformer paper's and BERT's practice). Default min(2e-3, LR_TIMES_WIDTH / d_model): 1.6e-3 on the CPU
     # (d_model 64), 1e-4 at the GPU's d_model 1024. Measured on an H200 (docs/gpu.md): lr x d_model about 1 collapsed
     # to one class at every depth, 0.26 learned then slipped, 0.1 learned.
     Arg("--lr", float, None, lo=0, hi=10, lo_open=True, why="AdamW's peak rate",
-        help="AdamW's peak learning rate (default min(1e-3, 0.1 / d_model): 1e-4 at d_model 1024)"),
-    Arg("--lr-warmup", float, 0.1, lo=0, hi=1, hi_open=True, why="a fraction of the run's steps",
+        help="AdamW's peak learning rate (default min(2e-3, 0.1 / d_model): 1e-4 at d_model 1024)"),
+    Arg("--lr-warmup", float, 0.05, lo=0, hi=1, hi_open=True, why="a fraction of the run's steps",
         help="fraction of the run's steps over which the lr rises linearly from 0 to --lr"),
-    Arg("--lr-decay", str, "linear", choices=("linear", "cosine", "none"),
-        help="after the warmup: linear or cosine down to 0 at the run's last step, or none (constant)"),
+    Arg("--lr-decay", str, "cosine", choices=("cosine", "linear", "none"),
+        help="after the warmup: cosine or linear down to --lr / 10 at the run's last step, or none (constant)"),
     # torch.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed onto a positive one; the trainer seeds
     # rank r with seed + 1 + r and the sampler with seed + epoch, which this range keeps valid and distinct
     Arg("--seed", int, 1234, lo=0, hi=2**63 - 1, help="the model's initial weights, the data order, dropout"),
@@ -287,11 +287,11 @@ ARG = {a.dest: a for a in ARGS}
 
 # --lr's default: AdamW's peak rate falls with the width, lr x d_model = LR_TIMES_WIDTH, capped at MAX_DEFAULT_LR
 # (the measurements are on --lr, above).
-LR_TIMES_WIDTH, MAX_DEFAULT_LR = 0.1, 1e-3
+LR_TIMES_WIDTH, MAX_DEFAULT_LR = 0.1, 2e-3
 
 
 def default_lr(d_model: int) -> float:
-    """--lr where the line gives none: 1e-3 at the CPU's d_model 64, 1e-4 at the GPU's 1024."""
+    """--lr where the line gives none: 1.6e-3 at the CPU's d_model 64, 1e-4 at the GPU's 1024."""
     return min(MAX_DEFAULT_LR, LR_TIMES_WIDTH / d_model)
 
 
