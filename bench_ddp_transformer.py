@@ -1821,9 +1821,9 @@ def make_loaders(cfg: argparse.Namespace, data: dict, trainer: Trainer, launch: 
 
 
 def run_steps(cfg: argparse.Namespace, steps_per_epoch: int) -> int:
-    """The steps of the whole run, which the lr's schedule spans: --epochs of them, or --max-steps if fewer."""
-    total = cfg.epochs * steps_per_epoch
-    return min(total, cfg.max_steps) if cfg.max_steps else total
+    """The steps the lr's schedule spans: --epochs of them. --max-steps is a stop, not the run's length: a run cut
+    by it and resumed follows the uninterrupted run's schedule, step for step (tests/test_faults.py)."""
+    return cfg.epochs * steps_per_epoch
 
 
 LR_FLOOR = 0.1  # where --lr-decay ends, a fraction of --lr: nanoGPT's min_lr = lr / 10 (after Chinchilla's cosine)
