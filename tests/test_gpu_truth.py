@@ -150,3 +150,21 @@ def test_tf32_is_an_option_the_checker_knows(tmp_path):
     assert "tf32-on-v100" in codes(found) and "bad-argument" not in codes(found), found
     status, _, found = check_line(tmp_path, "srun python bench_ddp_transformer.py --nlayers 8 --d-model 512")
     assert "tf32-on-v100" not in codes(found)
+
+
+def test_a_new_lr_on_resume_is_applied_and_recorded(tmp_path):
+    """--lr given again on --resume trains at the new rate (AdamW's state used to bring back its own), the schedule
+    going on from the saved step; the record and the saved optimizer say the rate that ran."""
+    args = ["--synthetic", "400", "--batch-size", "16", "--nlayers", "2", "--cache-dir", str(tmp_path),
+            "--save", str(tmp_path / "ck.pt")]
+    [first] = bench([*args, "--epochs", "1", "--lr", "1e-3"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    per_epoch = int(re.search(r"(\d+) steps per epoch", first.stdout)[1])
+    [again] = bench([*args, "--epochs", "2", "--lr", "5e-4", "--resume", "--json-out", str(tmp_path / "r.jsonl")])
+    assert again.returncode == 0, again.stderr[-2000:]
+    rec = record(tmp_path / "r.jsonl")
+    cfg = schedule(lr=5e-4, lr_warmup=ct.ARG["lr_warmup"].gpu, lr_decay=ct.ARG["lr_decay"].gpu)
+    expected = trainer.lr_at(cfg, 2 * per_epoch - 1, 2 * per_epoch)
+    assert rec["lr"] == 5e-4 and rec["epochs"][-1]["lr"] == pytest.approx(expected)
+    companion = torch.load(tmp_path / "ck.pt.resume.pt", weights_only=True)
+    assert [g["lr"] for g in companion["optimizer"]["param_groups"]] == [pytest.approx(expected)]
