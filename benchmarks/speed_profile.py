@@ -26,8 +26,10 @@ import argparse
 import json
 import os
 import socket
+import stat
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -463,12 +465,52 @@ def profile_key(cfg: argparse.Namespace, cuda: bool, device: torch.device) -> di
             "model": {k: getattr(cfg, k) for k in ct.PROFILE_MODEL}, "nlayers": cfg.nlayers}
 
 
-def write_json(obj: dict, path: str) -> None:
-    """Whole or not at all: a temporary file beside it, renamed over it."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, target)
+def out_problem(out: str) -> str | None:
+    """Why --out cannot be written (or None), checked by rank 0 before any timing: the profile is written to a
+    temporary file beside it and renamed over it, so it must be a regular file or nothing yet (a device would be
+    replaced), in an existing folder where a file can really be created (permissions, a read-only mount)."""
+    if not out.strip():
+        return f"--out {out!r} names no file; give one, e.g. --out profile.json"
+    target = Path(out).expanduser()
+    try:
+        mode = target.stat().st_mode  # through a link: the file written is the one it points to (see main)
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        return f"--out {out}: cannot use it ({exc.strerror}); give another file, e.g. --out profile.json"
+    if mode is not None and stat.S_ISDIR(mode):
+        return f"--out {out} is a folder; give a file name, e.g. --out {target / 'profile.json'}"
+    if mode is not None and not stat.S_ISREG(mode):
+        return (f"--out {out} is not a regular file (a device, pipe or socket): the profile is renamed over it, "
+                "which would replace it; give a file, e.g. --out profile.json")
+    folder = target.resolve().parent
+    if not folder.is_dir():
+        return f"--out {out}: folder {folder} does not exist; create it (mkdir -p {folder})"
+    try:  # really create (and remove) a file there, as the trainer checks its outputs (bench.check_outputs)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"--out {out}: cannot write in {folder} ({exc.strerror}); give a folder you can write, e.g. $WORK"
+    return None
+
+
+def write_json(obj: dict, target: Path) -> None:
+    """Whole or not at all: a new temporary file beside `target` (one file system, so the rename is atomic),
+    fsync'ed, renamed over it, the folder fsync'ed; on any failure (a full disk, Ctrl-C) the temporary file is
+    removed and `target` is as it was."""
+    tmp = bench.temporary_file(target)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the user's umask, as the trainer's files
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(obj, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    bench.sync_folder(target.parent)
 
 
 def measure(args: argparse.Namespace, cfg: argparse.Namespace, cuda: bool, plan: ct.TaskPlan, engine: str) -> dict:
@@ -508,12 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     launch = idr_torch.current()
     torch.set_num_threads(bench.cpu_threads(launch))
     engine = bench.pick_engine(cfg.engine)
-    rpc_file, problem = None, None
-    if launch.rank == 0:
-        folder = Path(args.out).expanduser().resolve().parent
-        problem = (f"--out {args.out}: folder {folder} does not exist; create it (mkdir -p {folder})"
-                   if not folder.is_dir() else f"--out {args.out} is a folder; give a file name, e.g. "
-                   f"--out {Path(args.out) / 'profile.json'}" if Path(args.out).is_dir() else None)
+    rpc_file = None
+    problem = out_problem(args.out) if launch.rank == 0 else None
+    # resolved once: through a link, the file it points to is replaced and the link stays
+    out = Path(args.out).expanduser().resolve()
     try:
         bench.check_rendezvous(launch, cfg.timeout)
         bench.init_distributed(cfg.timeout, cuda)
@@ -521,7 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         rpc_file = bench.init_rpc_for_pipe() if engine == "torch-pipe" else None
         profile = measure(args, cfg, cuda, plan, engine)
         if launch.rank == 0:
-            write_json(profile, args.out)
+            try:
+                write_json(profile, out)
+            except OSError as exc:  # the folder was checked: a disk or quota that filled during the timing
+                problem = (f"--out {args.out}: the profile could not be written ({exc.strerror or exc}); nothing "
+                           "half-written is left: free some space (or give another --out) and run it again")
+        bench.agree(problem, launch)
+        if launch.rank == 0:
             bench.log(f"profile: {args.out} written in {profile['seconds']:.0f} s ({profile['key']['gpu']}, torch "
                       f"{profile['key']['torch']}, {launch.size} task(s) on {launch.num_nodes} node(s))")
         barrier()

@@ -4,16 +4,19 @@ with its probable cause.
 
     python slurm/first_run_report.py first_run_<job> > first_run_<job>/report.md
 
-Reads FOLDER/status.tsv (step, exit status, tasks), FOLDER/runs.jsonl (the trainers' records), FOLDER/gpu_check.jsonl
+Reads FOLDER/status.tsv (step, exit status, tasks), FOLDER/runs.jsonl (the trainers' records, read as report.py
+reads them: a line that is not a whole record costs that line only, and the report names it), FOLDER/gpu_check.jsonl
 and FOLDER/<step>.log. Exit status 1 when a run failed (a GPU benchmark that found no GPU is 'not run', not failed).
 No torch import: it runs anywhere, on the job's folder copied to a laptop too.
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RecordsError, read_records, value_problem  # noqa: E402  (one reader of the records, two reports)
 
 # The first line that matches a pattern is the run's error; the cause is what it most likely means. Ordered: a
 # task that lost contact is usually not the cause, so the patterns of the cause come first.
@@ -51,16 +54,35 @@ def first_error(log: str) -> tuple[str, str] | None:
     return None
 
 
-def read_status(folder: Path) -> list[tuple[str, int, int]]:
-    rows = []
-    for line in (folder / "status.tsv").read_text().splitlines():
-        name, code, tasks = line.split("\t")
-        rows.append((name, int(code), int(tasks)))
+def read_status(folder: Path, notes: list[str] | None = None) -> list[tuple[str, int, int]]:
+    """The job's steps as first_run.slurm's done_() appends them; a line that is not one (cut by a full disk) is
+    skipped, with a note in `notes`."""
+    rows, path = [], folder / "status.tsv"
+    for n, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+        fields = line.split("\t")
+        try:
+            name, code, tasks = fields[0], int(fields[1]), int(fields[2])
+            if len(fields) != 3 or not re.fullmatch(r"[\w.-]+", name):
+                raise ValueError
+        except (ValueError, IndexError):
+            if line.strip() and notes is not None:
+                notes.append(f"{path}:{n}: skipped: not 'step<TAB>exit status<TAB>tasks' ({line[:60]!r})")
+            continue
+        rows.append((name, code, tasks))
     return rows
 
 
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def records(path: Path, notes: list[str]) -> list[dict]:
+    """The trainers' records (report.read_records); what it skips or leaves out goes to `notes`."""
+    if not path.exists():
+        return []
+    try:
+        found, problems = read_records(path)
+    except RecordsError as exc:
+        notes.append(str(exc))
+        return []
+    notes += problems
+    return [r for _, r in found]
 
 
 def record_of(name: str, runs: list[dict]) -> dict | None:
@@ -77,8 +99,17 @@ def gib(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def run_rows(folder: Path, status: list[tuple[str, int, int]]) -> tuple[list[str], int]:
-    runs, failed, lines = records(folder / "runs.jsonl"), 0, []
+def layout_of(rec: dict | None) -> str:
+    """'2 replica(s) x nb_part 2' or 'pp 2 x 2 pipeline(s)' from a record, '?' where its counts are not counts."""
+    stage = (rec or {}).get("layout") == "stage"
+    if rec is None or any(value_problem(rec, k) for k in ("replicas", "pp" if stage else "nb_part")):
+        return "?"
+    return f"pp {rec['pp']} x {rec['replicas']} pipeline(s)" if stage else \
+        f"{rec['replicas']} replica(s) x nb_part {rec['nb_part']}"
+
+
+def run_rows(folder: Path, status: list[tuple[str, int, int]], notes: list[str]) -> tuple[list[str], int]:
+    runs, failed, lines = records(folder / "runs.jsonl", notes), 0, []
     for name, code, tasks in status:
         if name in ("gpu_check", "memory_gpu", "profile"):
             continue
@@ -91,9 +122,7 @@ def run_rows(folder: Path, status: list[tuple[str, int, int]]) -> tuple[list[str
             peak, est = (rec or {}).get("peak_gpu_mem_gb"), (rec or {}).get("estimated_mem_gb")
             speed = (rec or {}).get("samples_per_s")
             ratio = f" ({peak / est:.2f} of it)" if peak and est else ""
-            layout = (f"{rec['replicas']} replica(s) x nb_part {rec['nb_part']}" if rec and rec["layout"] == "replica"
-                      else f"pp {rec['pp']} x {rec['replicas']} pipeline(s)" if rec else "?")
-            lines.append(f"| {name} | {tasks} | {layout} | {'-' if speed is None else f'{speed:.1f}'} | "
+            lines.append(f"| {name} | {tasks} | {layout_of(rec)} | {'-' if speed is None else f'{speed:.1f}'} | "
                          f"{gib(peak)} | {gib(est)}{ratio} | ok |")
             continue
         failed += 1
@@ -146,8 +175,9 @@ def profile_lines(folder: Path, status: list[tuple[str, int, int]]) -> tuple[lis
 
 
 def report(folder: Path) -> tuple[str, int]:
-    status = read_status(folder)
-    rows, failed = run_rows(folder, status)
+    notes: list[str] = []
+    status = read_status(folder, notes)
+    rows, failed = run_rows(folder, status, notes)
     bench, bench_failed = benchmark_lines(folder, status)
     speed, speed_failed = profile_lines(folder, status)
     bench, bench_failed = speed + bench, bench_failed + speed_failed
@@ -156,6 +186,8 @@ def report(folder: Path) -> tuple[str, int]:
             "| --- | ---: | --- | ---: | ---: | ---: | --- |", *rows, "", *bench]
     failed += bench_failed
     text += ["", f"{len(status)} step(s), {failed} failed" + ("" if failed else ": every run ran")]
+    if notes:  # in the report itself (report.md), where the user reads the job's outcome
+        text += ["", "Lines not read (each costs its own record or figure only):", *(f"- {n}" for n in notes)]
     return "\n".join(text) + "\n", failed
 
 

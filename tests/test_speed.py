@@ -12,6 +12,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -282,3 +283,92 @@ def test_three_clearly_different_splits_rank_as_predicted(tiny_profile, tmp_path
         measured.append(json.loads(out.read_text())["samples_per_s"])
     assert predicted[1] > 1.5 * predicted[0] and predicted[2] > 1.3 * predicted[1], predicted  # clearly apart
     assert sorted(range(3), key=lambda i: measured[i]) == [0, 1, 2], (predicted, measured)
+
+
+# ---- --out: checked before any timing, written whole or not at all (issue 35) --------------------------------------
+def profile_run(out: str, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """benchmarks/speed_profile.py, one task, with --repeats so large that any timing would outlast the test: a run
+    that ends within `timeout` checked --out before it timed anything."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speed_profile.py"), "--out", out,
+                           "--repeats", "1000000", *TINY, *extra], capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(), cwd=ROOT)
+
+
+@pytest.mark.parametrize("case", ["a folder", "a missing folder", "a read-only folder", "a device", "empty"])
+def test_profile_out_is_checked_before_any_timing(tmp_path, case):
+    """It was checked only for a missing folder and a folder: a read-only folder failed after the minute of timing,
+    and --out /dev/null would have been replaced by a regular file (the rename), as root."""
+    from test_faults_reports import read_only_folder
+    says = {"a folder": f"--out {tmp_path} is a folder; give a file name, e.g. --out {tmp_path / 'profile.json'}",
+            "a missing folder": f"--out {tmp_path}/no/p.json: folder {tmp_path}/no does not exist; create it "
+                                f"(mkdir -p {tmp_path}/no)",
+            "a device": "--out /dev/null is not a regular file (a device, pipe or socket): the profile is renamed "
+                        "over it, which would replace it; give a file, e.g. --out profile.json",
+            "empty": "--out '' names no file; give one, e.g. --out profile.json"}
+    if case == "a read-only folder":
+        with read_only_folder(tmp_path / "ro") as ro:
+            r = profile_run(str(ro / "p.json"))
+            assert list(ro.iterdir()) == []
+        says[case] = f"--out {ro}/p.json: cannot write in {ro} ("
+    else:
+        out = {"a folder": str(tmp_path), "a missing folder": f"{tmp_path}/no/p.json", "a device": "/dev/null",
+               "empty": ""}[case]
+        r = profile_run(out)
+    errors = [x for x in r.stderr.splitlines() if not x.startswith("idr_torch: no srun")]  # the launcher's notice
+    assert r.returncode == 1 and len(errors) == 1 and errors[0].startswith(f"speed_profile: error: {says[case]}"), \
+        r.stderr
+    assert Path("/dev/null").is_char_device() and not (tmp_path / "no").exists()
+
+
+def test_profile_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """write_json: a temporary file beside the target, fsync'ed, renamed; Ctrl-C mid-write leaves the old file and
+    no temporary file (a half-written .tmp was left); through a link, the file it points to is replaced."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import speed_profile
+    out = tmp_path / "profile.json"
+    out.write_text("old\n")
+
+    def interrupted(fd: int) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(speed_profile.os, "fsync", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            speed_profile.write_json({"new": 1}, out)
+    assert out.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+    speed_profile.write_json({"new": 1}, out)
+    assert json.loads(out.read_text()) == {"new": 1} and [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+
+
+def stubbed_profile(out: Path, pad: int) -> subprocess.CompletedProcess:
+    """speed_profile.py's main() with measure() stubbed (the real one takes a minute): a profile of `pad` bytes."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import speed_profile as sp, bench_ddp_transformer as b; "
+            f"sp.measure = lambda *a: {{'seconds': 1.0, 'key': {{'gpu': 'cpu', 'torch': '0'}}, 'pad': 'x' * {pad}}}; "
+            f"b.cli(lambda: sp.main(['--out', {str(out)!r}, *{TINY!r}]), 'speed_profile')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=clean_env(), cwd=ROOT)
+
+
+def test_profile_through_a_link_replaces_the_file_it_points_to(tmp_path):
+    (tmp_path / "data").mkdir()
+    target, link = tmp_path / "data" / "profile.json", tmp_path / "profile.json"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    r = stubbed_profile(link, 10)
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and json.loads(target.read_text())["pad"] == "x" * 10
+
+
+def test_a_disk_full_after_the_timing_is_one_line_and_leaves_the_old_profile(tmp_path):
+    """The disk fills during the timing: one line, exit 1, the previous profile whole, no temporary file (it was a
+    traceback and a half-written .tmp)."""
+    from test_faults_reports import mounted_tmpfs
+    with mounted_tmpfs(tmp_path / "disk", "size=256k") as disk:
+        out = disk / "profile.json"
+        out.write_text("old\n")
+        r = stubbed_profile(out, 400_000)
+        assert r.returncode == 1 and r.stderr.endswith(
+            f"\nspeed_profile: error: --out {out}: the profile could not be written (No space left on device); "
+            "nothing half-written is left: free some space (or give another --out) and run it again\n"), r.stderr
+        assert "Traceback" not in r.stderr and r.stderr.count("\n") == 2  # the launcher's notice, the error
+        assert out.read_text() == "old\n" and [p.name for p in disk.iterdir()] == ["profile.json"]
