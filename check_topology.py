@@ -1943,25 +1943,202 @@ class ProfileError(ValueError):
     """A profile that cannot be used here: one line, with the fix."""
 
 
-def read_profile(path: str | os.PathLike) -> dict:
-    """A profile written by benchmarks/speed_profile.py, checked enough that the model's lookups cannot fail later."""
+MAX_PROFILE_BYTES = 2 ** 20  # a profile is about 25 kB (docs/cpu_profile.json); more is not one speed_profile.py wrote
+_COUNT = ("count", 1, 4096)  # tasks, threads, replicas: an integer in range
+_SECONDS = ("seconds",)  # a time: a finite number, 0 to a day
+_POINTS = ("points", 3)  # [micro-batch, forward s, backward s] rows, the first column increasing (_interpolate)
+_LAYERS = ("arg", "nlayers")  # the trainer's own range (ARGS): one owner
+# What the speed model reads of a profile (benchmarks/speed_profile.py writes it), each value's type and range, so
+# that no lookup, division or loop of the model can fail or run long on a damaged or hostile file. A key ending in
+# '?' may be missing; other keys are not read.
+PROFILE_SCHEMA = {
+    "format": ("text",), "device": ("choice", "cpu", "cuda"),
+    "key": {"model": ("model",), "nlayers?": _LAYERS, "gpu?": ("text",), "torch?": ("text",),
+            "node_type?": ("optional", ("text",))},
+    "compute": ("list", {"tasks": _COUNT, "threads?": ("optional", _COUNT), "nlayers": _LAYERS,
+                         "blocks": ("map", _POINTS), "whole?": ("map", _POINTS),
+                         "engine?": ("optional", {"per_micro_batch_part_s?": ("optional", _SECONDS)})}),
+    "optimizer": {"Encoder": _SECONDS, "Layer": _SECONDS, "Decoder": _SECONDS},
+    "engine": {"per_step_s": _SECONDS, "per_micro_batch_part_s": _SECONDS},
+    "replica_step?": ("optional", ("list", {"tasks": _COUNT, "threads?": ("optional", _COUNT), "replicas": _COUNT,
+                                            "micro": ("count", 1, 65536), "nlayers": _LAYERS, "step_s": _SECONDS})),
+    "stage_engine?": ("optional", {"per_step_s": _SECONDS, "per_micro_batch_stage_s": _SECONDS}),
+    "stage_step?": ("optional", {"tasks": _COUNT, "threads?": ("optional", _COUNT), "pp": ("count", 2, 16),
+                                 "replicas": _COUNT, "schedule": ("choice", *SCHEDULES), "nlayers": _LAYERS,
+                                 "points": ("optional", ("steps",))}),
+    "allreduce": {"node?": ("optional", {"tasks": _COUNT, "points": ("optional", ("points", 2))}),
+                  "nodes?": ("optional", {"tasks": _COUNT, "points": ("optional", ("points", 2))})},
+    "p2p?": ("optional", ("points", 2)),
+}
+MAX_ROWS = 256  # rows of a table, entries of a list or map: speed_profile.py writes at most a few tens
+
+
+def _number(value: object, where: str, lo: float, hi: float, integer: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ProfileError(f"{where} is {_shown(value)}, not {'an integer' if integer else 'a number'}")
+    if not lo <= value <= hi:  # NaN and infinities never reach here: the JSON reader refuses them
+        raise ProfileError(f"{where} is {_shown(value)}, outside {_show(lo)} to {_show(hi)}")
+
+
+def _shown(value: object) -> str:
     try:
-        profile = json.loads(Path(path).read_text())
+        text = repr(value) if isinstance(value, str) else json.dumps(value)
+    except (ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_rows(rows: object, where: str, columns: int, increasing: bool) -> None:
+    """A table of `columns` numbers a row: the first a positive size (increasing: _interpolate's x), the others
+    seconds; the stage layout's steps ("steps") are [micro-batch, micro-batches, seconds > 0]."""
+    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ROWS:
+        raise ProfileError(f"{where} is {_shown(rows)}, not a list of 1 to {MAX_ROWS} rows")
+    for n, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != columns:
+            raise ProfileError(f"{where}[{n}] is {_shown(row)}, not {columns} numbers")
+        if increasing:
+            _number(row[0], f"{where}[{n}][0]", 1e-9 if n == 0 else rows[n - 1][0] + 1e-9, 1e15)
+            for k in range(1, columns):
+                _number(row[k], f"{where}[{n}][{k}]", 0, 86400)
+        else:
+            _number(row[0], f"{where}[{n}][0]", 1, ARG["batch_size"].hi, integer=True)
+            _number(row[1], f"{where}[{n}][1]", 1, 64, integer=True)
+            _number(row[2], f"{where}[{n}][2]", 1e-9, 86400)
+
+
+def _check_value(value: object, spec: object, where: str) -> object:
+    """`value` against its PROFILE_SCHEMA entry; returns it (a model's values converted by ARGS)."""
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise ProfileError(f"{where} is {_shown(value)}, not an object")
+        for key, inner in spec.items():
+            name = key.rstrip("?")
+            if name in value:
+                value[name] = _check_value(value[name], inner, f"{where}.{name}")
+            elif not key.endswith("?"):
+                raise ProfileError(f"{where} has no {name}: the file was cut short or edited")
+        return value
+    kind, *args = spec
+    if kind == "optional":
+        return None if value is None else _check_value(value, args[0], where)
+    if kind in ("list", "map"):
+        items = list(enumerate(value)) if isinstance(value, list) else list(value.items()) \
+            if isinstance(value, dict) else None
+        if items is None or not 1 <= len(items) <= MAX_ROWS:
+            raise ProfileError(f"{where} is {_shown(value)}, not a {kind} of 1 to {MAX_ROWS} entries")
+        for k, item in items:
+            value[k] = _check_value(item, args[0], f"{where}[{_shown(k)}]")
+        return value
+    if kind in ("points", "steps"):
+        _check_rows(value, where, args[0] if kind == "points" else 3, kind == "points")
+    elif kind == "seconds":
+        _number(value, where, 0, 86400)
+    elif kind == "count":
+        _number(value, where, args[0], args[1], integer=True)
+    elif kind in ("text", "choice"):
+        if not isinstance(value, str) or len(value) > 200 or (kind == "choice" and value not in args):
+            raise ProfileError(f"{where} is {_shown(value)}, not " + ("one of " + ", ".join(args) if kind == "choice"
+                                                                      else "a name"))
+    elif kind == "arg":
+        return _profile_arg(value, args[0], where)
+    elif kind == "model":
+        if not isinstance(value, dict):
+            raise ProfileError(f"{where} is {_shown(value)}, not an object")
+        return {k: _profile_arg(value[k], k, f"{where}.{k}") for k in PROFILE_MODEL if k in value}
+    return value
+
+
+def _profile_arg(value: object, dest: str, where: str) -> object:
+    """A model value of the profile, refused as the command line refuses it (ARGS: the same ranges and words)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{where} is {_shown(value)}, not a number")
+    converted, problem = ARG[dest].convert(str(value))
+    if problem:
+        raise ProfileError(f"{where}: {problem}")
+    return converted
+
+
+def _profile_text(path: str | os.PathLike) -> str:
+    """The file's text, read bounded: a regular file only (a FIFO is never opened: it could block forever), at most
+    MAX_PROFILE_BYTES, UTF-8."""
+    import stat
+    try:
+        mode, size = os.stat(path).st_mode, os.stat(path).st_size
+        if not stat.S_ISREG(mode):
+            raise ProfileError(f"--profile {path} is {'a directory' if stat.S_ISDIR(mode) else 'not a regular file'}"
+                               ": give the JSON file benchmarks/speed_profile.py wrote")
+        if size > MAX_PROFILE_BYTES:
+            raise ProfileError(f"--profile {path} holds {size} bytes, more than a profile ({MAX_PROFILE_BYTES >> 20} "
+                               "MiB at most; speed_profile.py writes about 25 kB): give the profile's file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            data = os.read(fd, MAX_PROFILE_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise ProfileError(f"--profile {path}: cannot read it ({exc.strerror}); take one with "
                            "benchmarks/speed_profile.py (docs/speed.md)") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"--profile {path} is not JSON ({str(exc)[:80]}); take it again with "
+    try:
+        return data[:MAX_PROFILE_BYTES].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"--profile {path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}): "
+                           "not a profile, or a damaged one; take it again with benchmarks/speed_profile.py") from None
+
+
+def _json_number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return value
+
+
+def _json_integer(text: str) -> int:
+    if len(text) > 30:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _json_constant(text: str) -> NoReturn:
+    raise ValueError(f"{text} is not a number a profile holds")
+
+
+def read_profile(path: str | os.PathLike) -> dict:
+    """A profile written by benchmarks/speed_profile.py, read bounded and checked against PROFILE_SCHEMA, so that
+    the model's lookups cannot fail later: a damaged, cut, foreign or hostile file is one line (ProfileError)."""
+    text = _profile_text(path)
+    try:
+        profile = json.loads(text, parse_float=_json_number, parse_int=_json_integer, parse_constant=_json_constant)
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)[:80]
+        raise ProfileError(f"--profile {path} is not JSON ({why}); take it again with "
                            "benchmarks/speed_profile.py") from None
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
         found = profile.get("format") if isinstance(profile, dict) else type(profile).__name__
-        raise ProfileError(f"--profile {path}: format {found!r}, not {PROFILE_FORMAT!r} (benchmarks/speed_profile.py "
-                           "writes it); take it again with this kit")
+        raise ProfileError(f"--profile {path}: format {_shown(found)}, not {PROFILE_FORMAT!r} "
+                           "(benchmarks/speed_profile.py writes it); take it again with this kit")
     missing = [k for k in ("key", "device", "compute", "optimizer", "engine", "allreduce") if k not in profile]
     if missing or not profile["compute"]:
         raise ProfileError(f"--profile {path} has no {', '.join(missing) or 'compute'}: it was cut short; take it "
                            "again with benchmarks/speed_profile.py")
+    try:
+        _check_value(profile, PROFILE_SCHEMA, "profile")
+        for name, table in profile["allreduce"].items():  # a ring of n tasks: 2(n-1)/n, timed with n >= 2
+            if name in ("node", "nodes") and table and table.get("points") and table["tasks"] < 2:
+                raise ProfileError(f"profile.allreduce.{name} has all-reduce times but tasks {table['tasks']}")
+    except ProfileError as exc:
+        raise ProfileError(f"--profile {path}: {exc}; take it again with benchmarks/speed_profile.py") from None
     return profile
+
+
+def profile_gpu_mismatch(profile: dict, ntype: str | None) -> str | None:
+    """Where the profile's GPU (speed_profile.py's torch.cuda.get_device_name) is another family than the plan's
+    Jean Zay nodes (V100, A100, H100): the line that says which."""
+    family = lambda text: (re.search(r"[vah]100", (text or "").lower()) or [None])[0]  # noqa: E731
+    taken, planned = family(profile["key"].get("gpu")), family(ntype)
+    if taken and planned and taken != planned:
+        return (f"it was taken on {profile['key']['gpu']} GPUs and the plan is for {JEAN_ZAY[ntype].label}: a "
+                "profile's times hold for its GPU only; take one there (docs/speed.md)")
+    return None
 
 
 def profile_mismatch(profile: dict, model: dict) -> str | None:
@@ -5944,6 +6121,7 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
         if taken_on and ntype and taken_on != ntype:
             mismatch = (f"it was taken on {taken_on} nodes and the plan is for {ntype}: a profile's times hold for "
                         "its node type only; take one there (docs/speed.md)")
+        mismatch = mismatch or profile_gpu_mismatch(profile, ntype)
         if mismatch:
             raise UsageError(f"--profile {args.profile}: {mismatch}")
         # what the command line does not give is the profile's model: the one it was taken with
@@ -6001,6 +6179,10 @@ def rank_by_speed(rows: list[dict], profile: dict, model: dict, nodes: int) -> l
             guess = predict_speed(profile, m, t, r["nb_part"], r["replicas"], r["ntasks_per_node"], nodes)
         except ProfileError as exc:
             r.update(samples_per_s=None, why=str(exc))
+            continue
+        except (ArithmeticError, ValueError):  # times the checks let through but the model divides by: all zero
+            r.update(samples_per_s=None, why="the profile's times are zero where the model divides by them: take "
+                     "it again with benchmarks/speed_profile.py")
             continue
         r.update(samples_per_s=round(guess["samples_per_s"], 1), step_ms=round(guess["step_s"] * 1e3, 2),
                  terms_ms={k: round(v * 1e3, 2) for k, v in guess["terms"].items()}, notes=guess["notes"])
