@@ -1881,6 +1881,7 @@ def check_args(layout: str, argv: Sequence[str], environ: dict[str, str] | None 
         return 2, exc.findings, None
     findings = Findings()
     launch = idr_torch.Launch(environ) if environ is not None else idr_torch.current()
+    launch.master_port  # noqa: B018 -- idr_torch's rule for MASTER_PORT (1..65535), which the trainer's rendezvous reads
     version = installed_torch_version()
     if version is None:
         findings.error("torch-release", "torch is not installed for this python: load the cluster's PyTorch module "
