@@ -35,6 +35,7 @@ One file, in two parts, because users copy it next to the trainers and both trai
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import difflib
 import functools
@@ -1912,6 +1913,7 @@ def check_args(layout: str, argv: Sequence[str], environ: dict[str, str] | None 
         return 2, exc.findings, None
     findings = Findings()
     launch = idr_torch.Launch(environ) if environ is not None else idr_torch.current()
+    launch.master_port  # noqa: B018 -- idr_torch's rule for MASTER_PORT (1..65535), which the trainer's rendezvous reads
     version = installed_torch_version()
     if version is None:
         findings.error("torch-release", "torch is not installed for this python: load the cluster's PyTorch module "
@@ -2009,25 +2011,202 @@ class ProfileError(ValueError):
     """A profile that cannot be used here: one line, with the fix."""
 
 
-def read_profile(path: str | os.PathLike) -> dict:
-    """A profile written by benchmarks/speed_profile.py, checked enough that the model's lookups cannot fail later."""
+MAX_PROFILE_BYTES = 2 ** 20  # a profile is about 25 kB (docs/cpu_profile.json); more is not one speed_profile.py wrote
+_COUNT = ("count", 1, 4096)  # tasks, threads, replicas: an integer in range
+_SECONDS = ("seconds",)  # a time: a finite number, 0 to a day
+_POINTS = ("points", 3)  # [micro-batch, forward s, backward s] rows, the first column increasing (_interpolate)
+_LAYERS = ("arg", "nlayers")  # the trainer's own range (ARGS): one owner
+# What the speed model reads of a profile (benchmarks/speed_profile.py writes it), each value's type and range, so
+# that no lookup, division or loop of the model can fail or run long on a damaged or hostile file. A key ending in
+# '?' may be missing; other keys are not read.
+PROFILE_SCHEMA = {
+    "format": ("text",), "device": ("choice", "cpu", "cuda"),
+    "key": {"model": ("model",), "nlayers?": _LAYERS, "gpu?": ("text",), "torch?": ("text",),
+            "node_type?": ("optional", ("text",))},
+    "compute": ("list", {"tasks": _COUNT, "threads?": ("optional", _COUNT), "nlayers": _LAYERS,
+                         "blocks": ("map", _POINTS), "whole?": ("map", _POINTS),
+                         "engine?": ("optional", {"per_micro_batch_part_s?": ("optional", _SECONDS)})}),
+    "optimizer": {"Encoder": _SECONDS, "Layer": _SECONDS, "Decoder": _SECONDS},
+    "engine": {"per_step_s": _SECONDS, "per_micro_batch_part_s": _SECONDS},
+    "replica_step?": ("optional", ("list", {"tasks": _COUNT, "threads?": ("optional", _COUNT), "replicas": _COUNT,
+                                            "micro": ("count", 1, 65536), "nlayers": _LAYERS, "step_s": _SECONDS})),
+    "stage_engine?": ("optional", {"per_step_s": _SECONDS, "per_micro_batch_stage_s": _SECONDS}),
+    "stage_step?": ("optional", {"tasks": _COUNT, "threads?": ("optional", _COUNT), "pp": ("count", 2, 16),
+                                 "replicas": _COUNT, "schedule": ("choice", *SCHEDULES), "nlayers": _LAYERS,
+                                 "points": ("optional", ("steps",))}),
+    "allreduce": {"node?": ("optional", {"tasks": _COUNT, "points": ("optional", ("points", 2))}),
+                  "nodes?": ("optional", {"tasks": _COUNT, "points": ("optional", ("points", 2))})},
+    "p2p?": ("optional", ("points", 2)),
+}
+MAX_ROWS = 256  # rows of a table, entries of a list or map: speed_profile.py writes at most a few tens
+
+
+def _number(value: object, where: str, lo: float, hi: float, integer: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ProfileError(f"{where} is {_shown(value)}, not {'an integer' if integer else 'a number'}")
+    if not lo <= value <= hi:  # NaN and infinities never reach here: the JSON reader refuses them
+        raise ProfileError(f"{where} is {_shown(value)}, outside {_show(lo)} to {_show(hi)}")
+
+
+def _shown(value: object) -> str:
     try:
-        profile = json.loads(Path(path).read_text())
+        text = repr(value) if isinstance(value, str) else json.dumps(value)
+    except (ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_rows(rows: object, where: str, columns: int, increasing: bool) -> None:
+    """A table of `columns` numbers a row: the first a positive size (increasing: _interpolate's x), the others
+    seconds; the stage layout's steps ("steps") are [micro-batch, micro-batches, seconds > 0]."""
+    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ROWS:
+        raise ProfileError(f"{where} is {_shown(rows)}, not a list of 1 to {MAX_ROWS} rows")
+    for n, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != columns:
+            raise ProfileError(f"{where}[{n}] is {_shown(row)}, not {columns} numbers")
+        if increasing:
+            _number(row[0], f"{where}[{n}][0]", 1e-9 if n == 0 else rows[n - 1][0] + 1e-9, 1e15)
+            for k in range(1, columns):
+                _number(row[k], f"{where}[{n}][{k}]", 0, 86400)
+        else:
+            _number(row[0], f"{where}[{n}][0]", 1, ARG["batch_size"].hi, integer=True)
+            _number(row[1], f"{where}[{n}][1]", 1, 64, integer=True)
+            _number(row[2], f"{where}[{n}][2]", 1e-9, 86400)
+
+
+def _check_value(value: object, spec: object, where: str) -> object:
+    """`value` against its PROFILE_SCHEMA entry; returns it (a model's values converted by ARGS)."""
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise ProfileError(f"{where} is {_shown(value)}, not an object")
+        for key, inner in spec.items():
+            name = key.rstrip("?")
+            if name in value:
+                value[name] = _check_value(value[name], inner, f"{where}.{name}")
+            elif not key.endswith("?"):
+                raise ProfileError(f"{where} has no {name}: the file was cut short or edited")
+        return value
+    kind, *args = spec
+    if kind == "optional":
+        return None if value is None else _check_value(value, args[0], where)
+    if kind in ("list", "map"):
+        items = list(enumerate(value)) if isinstance(value, list) else list(value.items()) \
+            if isinstance(value, dict) else None
+        if items is None or not 1 <= len(items) <= MAX_ROWS:
+            raise ProfileError(f"{where} is {_shown(value)}, not a {kind} of 1 to {MAX_ROWS} entries")
+        for k, item in items:
+            value[k] = _check_value(item, args[0], f"{where}[{_shown(k)}]")
+        return value
+    if kind in ("points", "steps"):
+        _check_rows(value, where, args[0] if kind == "points" else 3, kind == "points")
+    elif kind == "seconds":
+        _number(value, where, 0, 86400)
+    elif kind == "count":
+        _number(value, where, args[0], args[1], integer=True)
+    elif kind in ("text", "choice"):
+        if not isinstance(value, str) or len(value) > 200 or (kind == "choice" and value not in args):
+            raise ProfileError(f"{where} is {_shown(value)}, not " + ("one of " + ", ".join(args) if kind == "choice"
+                                                                      else "a name"))
+    elif kind == "arg":
+        return _profile_arg(value, args[0], where)
+    elif kind == "model":
+        if not isinstance(value, dict):
+            raise ProfileError(f"{where} is {_shown(value)}, not an object")
+        return {k: _profile_arg(value[k], k, f"{where}.{k}") for k in PROFILE_MODEL if k in value}
+    return value
+
+
+def _profile_arg(value: object, dest: str, where: str) -> object:
+    """A model value of the profile, refused as the command line refuses it (ARGS: the same ranges and words)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{where} is {_shown(value)}, not a number")
+    converted, problem = ARG[dest].convert(str(value))
+    if problem:
+        raise ProfileError(f"{where}: {problem}")
+    return converted
+
+
+def _profile_text(path: str | os.PathLike) -> str:
+    """The file's text, read bounded: a regular file only (a FIFO is never opened: it could block forever), at most
+    MAX_PROFILE_BYTES, UTF-8."""
+    import stat
+    try:
+        mode, size = os.stat(path).st_mode, os.stat(path).st_size
+        if not stat.S_ISREG(mode):
+            raise ProfileError(f"--profile {path} is {'a directory' if stat.S_ISDIR(mode) else 'not a regular file'}"
+                               ": give the JSON file benchmarks/speed_profile.py wrote")
+        if size > MAX_PROFILE_BYTES:
+            raise ProfileError(f"--profile {path} holds {size} bytes, more than a profile ({MAX_PROFILE_BYTES >> 20} "
+                               "MiB at most; speed_profile.py writes about 25 kB): give the profile's file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            data = os.read(fd, MAX_PROFILE_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise ProfileError(f"--profile {path}: cannot read it ({exc.strerror}); take one with "
                            "benchmarks/speed_profile.py (docs/speed.md)") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"--profile {path} is not JSON ({str(exc)[:80]}); take it again with "
+    try:
+        return data[:MAX_PROFILE_BYTES].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"--profile {path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}): "
+                           "not a profile, or a damaged one; take it again with benchmarks/speed_profile.py") from None
+
+
+def _json_number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return value
+
+
+def _json_integer(text: str) -> int:
+    if len(text) > 30:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _json_constant(text: str) -> NoReturn:
+    raise ValueError(f"{text} is not a number a profile holds")
+
+
+def read_profile(path: str | os.PathLike) -> dict:
+    """A profile written by benchmarks/speed_profile.py, read bounded and checked against PROFILE_SCHEMA, so that
+    the model's lookups cannot fail later: a damaged, cut, foreign or hostile file is one line (ProfileError)."""
+    text = _profile_text(path)
+    try:
+        profile = json.loads(text, parse_float=_json_number, parse_int=_json_integer, parse_constant=_json_constant)
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)[:80]
+        raise ProfileError(f"--profile {path} is not JSON ({why}); take it again with "
                            "benchmarks/speed_profile.py") from None
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
         found = profile.get("format") if isinstance(profile, dict) else type(profile).__name__
-        raise ProfileError(f"--profile {path}: format {found!r}, not {PROFILE_FORMAT!r} (benchmarks/speed_profile.py "
-                           "writes it); take it again with this kit")
+        raise ProfileError(f"--profile {path}: format {_shown(found)}, not {PROFILE_FORMAT!r} "
+                           "(benchmarks/speed_profile.py writes it); take it again with this kit")
     missing = [k for k in ("key", "device", "compute", "optimizer", "engine", "allreduce") if k not in profile]
     if missing or not profile["compute"]:
         raise ProfileError(f"--profile {path} has no {', '.join(missing) or 'compute'}: it was cut short; take it "
                            "again with benchmarks/speed_profile.py")
+    try:
+        _check_value(profile, PROFILE_SCHEMA, "profile")
+        for name, table in profile["allreduce"].items():  # a ring of n tasks: 2(n-1)/n, timed with n >= 2
+            if name in ("node", "nodes") and table and table.get("points") and table["tasks"] < 2:
+                raise ProfileError(f"profile.allreduce.{name} has all-reduce times but tasks {table['tasks']}")
+    except ProfileError as exc:
+        raise ProfileError(f"--profile {path}: {exc}; take it again with benchmarks/speed_profile.py") from None
     return profile
+
+
+def profile_gpu_mismatch(profile: dict, ntype: str | None) -> str | None:
+    """Where the profile's GPU (speed_profile.py's torch.cuda.get_device_name) is another family than the plan's
+    Jean Zay nodes (V100, A100, H100): the line that says which."""
+    family = lambda text: (re.search(r"[vah]100", (text or "").lower()) or [None])[0]  # noqa: E731
+    taken, planned = family(profile["key"].get("gpu")), family(ntype)
+    if taken and planned and taken != planned:
+        return (f"it was taken on {profile['key']['gpu']} GPUs and the plan is for {JEAN_ZAY[ntype].label}: a "
+                "profile's times hold for its GPU only; take one there (docs/speed.md)")
+    return None
 
 
 def profile_mismatch(profile: dict, model: dict) -> str | None:
@@ -2391,6 +2570,7 @@ CATCHES = {
     # reading the script as sbatch 22.05 does
     "no-shebang": ("error", "the first line is not #! and an interpreter (sbatch refuses the file)"),
     "dos-line-breaks": ("error", "\\r\\n line ends (sbatch refuses the file)"),
+    "cr-line-breaks": ("error", "\\r line ends alone (sbatch and bash read the file as one line)"),
     "script-too-large": ("error", "a script over 4 MiB (slurmctld refuses it)"),
     "not-a-script": ("error", "a file with NUL bytes, e.g. a binary (sbatch refuses it)"),
     "unknown-option": ("error", "an option sbatch or srun does not know, with a did-you-mean"),
@@ -2408,6 +2588,8 @@ CATCHES = {
     "count-too-large": ("error", "a count above what any Jean Zay node or partition has (nothing is planned from it)"),
     "bad-command": ("error", "a command line bash cannot parse (a quote never closed)"),
     "shell-unread": ("warning", "a script nested too deeply to follow"),
+    "too-complex": ("warning", "a script too costly to follow to its end (10^8 function calls, values doubled "
+                    "to gigabytes, more than 50000 words): checked up to the line named"),
     "variable-in-directive": ("error", "$VARIABLES in #SBATCH lines, which sbatch does not expand"),
     "ignored-directive": ("warning", "a directive sbatch ignores: indented, lower case, '# SBATCH', after the first "
                           "command, inside a here-document"),
@@ -3622,24 +3804,39 @@ def read_directive(line: str, magic: str, where: str, job: Job, findings: Findin
     check_option_values(job, options, where, findings)
 
 
+# the first line that is neither blank nor a comment (str.strip's and re's whitespace are the same set), and the lines
+# of the header that sbatch may take as directives: found by regular expressions, not a Python loop over the lines, so
+# that a 4 MiB script of comments is read in milliseconds
+_FIRST_COMMAND = re.compile(r"^[^\S\n]*[^#\s]", re.M)
+_HEADER_DIRECTIVE = re.compile(r"^#(?:SBATCH|SLURM|PBS|BSUB)[^\n]*", re.M)
+_STRAY_DIRECTIVE = re.compile(r"^[^\S\n]*#[^\S\n]*(?:SBATCH|SLURM)[^\n]*", re.M | re.I)
+MAX_DIRECTIVES = 1000  # directive lines read (shlex on each, a Python loop per character); a real header has tens
+MAX_DIRECTIVE_TEXT = 64 * 1024  # and their characters, together
+MAX_STRAY_SAID = 20  # stray directives reported one by one; past these, the first ones say enough
+
+
 def read_directives(text: str, name: str, job: Job, findings: Findings) -> int:
     """The header as sbatch 22.05 reads it (src/sbatch/opt.c, _opt_batch_script): every line up to the first one that
     is neither blank nor a comment; in it, lines starting with '#SBATCH', or '#SLURM' (applied too, with sbatch's
     'Change from #SLURM to #SBATCH'), in column 0, case sensitive, are directives; '#PBS' and '#BSUB' lines are
-    translated unless --ignore-pbs. Returns the line number of the first command (0: none)."""
-    foreign, slurm_lines = [], []
-    for lineno, line in enumerate(text.split("\n"), 1):
-        where = f"{name}:{lineno}"
-        magic = next((m for m in ("#SBATCH", "#SLURM") if line.startswith(m)), None)
+    translated unless --ignore-pbs. Returns the line number of the first command (0: none). Raises TooComplex past
+    MAX_DIRECTIVES directive lines (what was read stands)."""
+    first = _FIRST_COMMAND.search(text)
+    end = first.start() if first else len(text)
+    foreign, slurm_lines, at, lineno, size = [], [], 0, 1, 0
+    for count, m in enumerate(_HEADER_DIRECTIVE.finditer(text, 0, end)):
+        lineno += text.count("\n", at, m.start())
+        at, line, where = m.start(), m.group(0), f"{name}:{lineno}"
+        size += len(line)
+        if count == MAX_DIRECTIVES or size > MAX_DIRECTIVE_TEXT:
+            raise TooComplex(lineno, f"more than {MAX_DIRECTIVES} directive lines or {MAX_DIRECTIVE_TEXT // 1024} "
+                             "KiB of them")
+        magic = next((x for x in ("#SBATCH", "#SLURM") if line.startswith(x)), None)
         if magic:
             read_directive(line, magic, where, job, findings)
             slurm_lines += [where] if magic == "#SLURM" else []
-        elif line.startswith(("#PBS", "#BSUB")):
+        else:
             foreign.append((where, line.strip()))
-        elif line.strip() and not line.lstrip().startswith("#"):
-            break
-    else:
-        lineno = 0
     if slurm_lines:
         findings.warn("slurm-directive", f"{slurm_lines[0]}: sbatch 22.05 applies '#SLURM' lines as directives "
                       f"({len(slurm_lines)} line(s); it prints 'Change from #SLURM to #SBATCH in your script', "
@@ -3649,31 +3846,40 @@ def read_directives(text: str, name: str, job: Job, findings: Findings) -> int:
         findings.error("pbs-directive", f"{where}: sbatch also reads '{line}' ({len(foreign)} #PBS/#BSUB line(s); "
                        "measured: '#PBS -l nodes=2' gave a 2-node job), which this plan does not model; write it as "
                        "#SBATCH, or add '#SBATCH --ignore-pbs'")
-    return lineno
+    return text.count("\n", 0, end) + 1 if first else 0
 
 
 def stray_directives(text: str, name: str, first_command: int, heredocs: list["HereDoc"],
                      findings: Findings) -> None:
     """Directives sbatch does not read: after the first command, inside a here-document (text the script writes
-    for another program: a generated job script), indented, lower case, '# SBATCH'."""
-    inside = {n: h for h in heredocs for n in range(h.first, h.last + 1)}
+    for another program: a generated job script), indented, lower case, '# SBATCH'. Only the lines that look like
+    one are visited (a regular expression), and the first MAX_STRAY_SAID are reported."""
+    starts = [h.first for h in heredocs]  # here-documents come in order and do not overlap
     said: set[int] = set()
-    for lineno, line in enumerate(text.split("\n"), 1):
-        stripped = line.strip()
-        where = f"{name}:{lineno}"
-        if lineno in inside:
-            h = inside[lineno]
-            if re.match(r"#\s*(SBATCH|SLURM)", stripped, re.I) and id(h) not in said:
-                said.add(id(h))
+    at, lineno, told = 0, 1, 0
+    for m in _STRAY_DIRECTIVE.finditer(text):
+        if told >= MAX_STRAY_SAID:
+            return
+        lineno += text.count("\n", at, m.start())
+        at, line = m.start(), m.group(0)
+        stripped, where = line.strip(), f"{name}:{lineno}"
+        k = bisect.bisect_right(starts, lineno) - 1
+        if k >= 0 and lineno <= heredocs[k].last:
+            h = heredocs[k]
+            if k not in said:
+                said.add(k)
+                told += 1
                 findings.warn("ignored-directive", f"{where}: '{stripped}' is inside a here-document (lines "
                               f"{h.first}-{h.last}, up to '{h.delimiter}'): text this script writes, not a directive "
                               "of this job; check the script it generates on its own")
             continue
         if line.startswith(("#SBATCH", "#SLURM")):
             if first_command and lineno > first_command:
+                told += 1
                 findings.warn("ignored-directive", f"{where}: '{stripped}' comes after the first command (line "
                               f"{first_command}); sbatch ignores it: move it above the first command")
         elif re.match(r"#\s*SBATCH\s*-", stripped, re.I):  # a directive gone wrong, not a comment that says sbatch
+            told += 1
             findings.warn("ignored-directive", f"{where}: '{stripped}' is not read by sbatch (a directive is "
                           "'#SBATCH', in capitals, from column 0): write it as '#SBATCH ...' at the start of the line")
 
@@ -3707,11 +3913,36 @@ class HereDoc:
 OPERATORS = ("&&", "||", ";;&", ";;", ";&", "|&", ";", "|", "&", "(", ")")
 REDIRECTIONS = ("<<<", "<<-", "<<", "&>>", "&>", ">>", ">&", "<&", "<>", ">|", "<", ">")
 BREAK = set(" \t\r\n;&|()<>")
+# Runs of characters with nothing to decide in them, taken whole (a regular expression, not a Python loop per
+# character: a 4 MiB word or string is read in milliseconds): in a word, inside double quotes, inside $( ) and ${ },
+# blank and comment lines after a newline, the text of `...` and $'...'
+_PLAIN = re.compile(r"[^ \t\r\n;&|()<>\\'\"$`]+")
+_DQ_PLAIN = re.compile(r"[^\"\\$`]+")
+_BALANCED_STOP = {"(": re.compile(r"[\\'\"()]"), "{": re.compile(r"[\\{}]")}
+_COMMAND_LINE = re.compile(r"^[ \t\r]*[^ \t\r\n#]", re.M)  # the next line that is not blank or a comment
+_BACKQUOTED = re.compile(r"(?:[^`\\]|\\.)*", re.S)
+_ANSI_C = re.compile(r"(?:[^'\\]|\\.)*", re.S)
+_REDIRECTION_START = re.compile(r"\d*[<>&]")
+_BLANKS = re.compile(r"[ \t\r]+")
+
+
+class TooComplex(Exception):
+    """The reading of a script spent its budget at `line` (ShellBudget, MAX_TOKENS, MAX_DIRECTIVES): what was read
+    up to there stands, the rest is not followed."""
+
+    def __init__(self, line: int, what: str) -> None:
+        super().__init__(f"line {line}: {what}")
+        self.line, self.what = line, what
 
 
 class ShellLexer:
     """bash's tokens: Word, or (operator, line) for control operators and newlines. Redirections and their targets
-    are dropped (they are not arguments); here-document bodies are set aside in `heredocs`, never read as commands."""
+    are dropped (they are not arguments); here-document bodies are set aside in `heredocs`, never read as commands.
+    At most MAX_TOKENS steps are taken (a token, a piece of a word, a run of blanks: each token costs a few hundred
+    bytes and the parser's and runner's time): past them `cut` is the line where reading stopped, and the tokens so
+    far stand. Blank and comment lines make one newline token."""
+
+    MAX_TOKENS = 50_000
 
     def __init__(self, text: str) -> None:
         self.s, self.i, self.line = text, 0, 1
@@ -3719,19 +3950,27 @@ class ShellLexer:
         self.heredocs: list[HereDoc] = []
         self.pending: list[tuple[str, bool]] = []
         self.unclosed: tuple[int, str] | None = None  # where a quote opens that never closes
+        self.cut: int | None = None  # where MAX_TOKENS stopped the reading
+        self.count = 0  # tokens, and pieces of words (a word of a million $X is a million pieces)
 
     def run(self) -> "ShellLexer":
         s = self.s
-        while self.i < len(s):
+        while self.i < len(s) and not self.spent():
+            self.count += 1
             c = s[self.i]
             if c in " \t\r":
-                self.i += 1
+                self.i = _BLANKS.match(s, self.i).end()
             elif s.startswith("\\\n", self.i):
                 self.i, self.line = self.i + 2, self.line + 1
             elif c == "\n":
-                self.tokens.append(("\n", self.line))
+                if not (self.tokens and self.tokens[-1].__class__ is tuple and self.tokens[-1][0] == "\n"):
+                    self.tokens.append(("\n", self.line))
                 self.i, self.line = self.i + 1, self.line + 1
                 self.bodies()
+                found = _COMMAND_LINE.search(s, self.i)  # the blank and comment lines that follow: skipped at once
+                end = found.start() if found else max(self.i, s.rfind("\n") + 1)
+                self.line += s.count("\n", self.i, end)
+                self.i = end
             elif c == "#":
                 end = s.find("\n", self.i)
                 self.i = len(s) if end < 0 else end
@@ -3748,10 +3987,23 @@ class ShellLexer:
                 self.i += len(op)
             else:
                 self.word()
+        if self.cut:  # the command the reading stopped in is left out whole (half a trainer line would mislead)
+            while self.tokens and not (self.tokens[-1].__class__ is tuple and self.tokens[-1][0] == "\n"):
+                dropped = self.tokens.pop()
+                self.cut = dropped.line if isinstance(dropped, Word) else dropped[1]
         return self
+
+    def spent(self) -> bool:
+        """Past MAX_TOKENS: the reading stops here (the rest of the text is left)."""
+        if self.count < self.MAX_TOKENS:
+            return False
+        self.cut, self.i = self.cut or self.line, len(self.s)
+        return True
 
     def redirection(self) -> bool:
         s, j = self.s, self.i
+        if not _REDIRECTION_START.match(s, j):  # most tokens: no redirection, decided in one step
+            return False
         while j < len(s) and s[j].isdigit():
             j += 1
         op = next((r for r in REDIRECTIONS if s.startswith(r, j)), None)
@@ -3766,16 +4018,17 @@ class ShellLexer:
         return True
 
     def bodies(self) -> None:
-        """The bodies of the here-documents announced on the line that just ended, each up to its delimiter."""
+        """The bodies of the here-documents announced on the line that just ended, each up to its delimiter line
+        (found by a regular expression: a body of a million lines costs no Python loop)."""
         for delimiter, strip in self.pending:
-            first = self.line
-            while self.i < len(self.s):
-                end = self.s.find("\n", self.i)
-                end = len(self.s) if end < 0 else end
-                raw = self.s[self.i:end]
-                self.i, self.line = end + 1, self.line + 1
-                if (raw.lstrip("\t") if strip else raw) == delimiter:
-                    break
+            first, s = self.line, self.s
+            if self.i >= len(s):
+                self.heredocs.append(HereDoc(first, first - 1, delimiter))
+                continue
+            end = re.compile("^" + ("\t*" if strip else "") + re.escape(delimiter) + "$", re.M).search(s, self.i)
+            stop = end.end() if end else len(s)
+            lines = s.count("\n", self.i, stop) + 1
+            self.i, self.line = stop + 1, self.line + lines
             self.heredocs.append(HereDoc(first, self.line - 1, delimiter))
         self.pending = []
 
@@ -3786,7 +4039,8 @@ class ShellLexer:
             if lit:
                 parts.append(("lit", "".join(lit)))
                 lit.clear()
-        while self.i < len(s):
+        while self.i < len(s) and not self.spent():
+            self.count += 1
             c = s[self.i]
             if c == "(" and not parts and re.fullmatch(r"[A-Za-z_]\w*\+?=", "".join(lit)):  # NAME=( array )
                 flush()
@@ -3812,9 +4066,7 @@ class ShellLexer:
                 self.line += s.count("\n", self.i, end)
                 self.i = end + 1
             elif s.startswith("$'", self.i):
-                end = self.i + 2
-                while end < len(s) and s[end] != "'":
-                    end += 2 if s[end] == "\\" else 1
+                end = _ANSI_C.match(s, self.i + 2).end()
                 flush()
                 parts.append(("sq", s[self.i + 2:end].replace("\\n", "\n").replace("\\t", "\t")))
                 self.i = end + 1
@@ -3825,8 +4077,9 @@ class ShellLexer:
                 flush()
                 parts.append(("var", self.expansion()))
             else:
-                lit.append(c)
-                self.i += 1
+                end = _PLAIN.match(s, self.i).end()
+                lit.append(s[self.i:end])
+                self.i = end
         flush()
         if not parts:
             return None
@@ -3838,7 +4091,8 @@ class ShellLexer:
     def double_quoted(self, parts: list) -> None:
         s, text = self.s, []
         self.i += 1
-        while self.i < len(s) and s[self.i] != '"':
+        while self.i < len(s) and s[self.i] != '"' and not self.spent():
+            self.count += 1
             c = s[self.i]
             if c == "\\" and s[self.i + 1:self.i + 2] in ('$', '`', '"', '\\', '\n'):
                 text.append(s[self.i + 1] if s[self.i + 1] != "\n" else "")
@@ -3849,11 +4103,15 @@ class ShellLexer:
                     parts.append(("dq", "".join(text)))
                     text = []
                 parts.append(("qvar", self.expansion()))
-            else:
-                self.line += c == "\n"
+            elif c in "\\$":
                 text.append(c)
                 self.i += 1
-        if self.i >= len(s):
+            else:
+                end = _DQ_PLAIN.match(s, self.i).end()
+                self.line += s.count("\n", self.i, end)
+                text.append(s[self.i:end])
+                self.i = end
+        if self.i >= len(s) and self.cut is None:
             self.unclosed = self.unclosed or (self.line, '"')
         if text or not parts or parts[-1][0] != "qvar":
             parts.append(("dq", "".join(text)))
@@ -3863,10 +4121,7 @@ class ShellLexer:
         """$name, ${...}, $(...), $((...)), `...`, <(...) as written, balanced, quotes respected."""
         s, start = self.s, self.i
         if s[self.i] == "`":
-            end = self.i + 1
-            while end < len(s) and s[end] != "`":
-                end += 2 if s[end] == "\\" else 1
-            self.i = end + 1
+            self.i = _BACKQUOTED.match(s, self.i + 1).end() + 1
         elif s[self.i] in "<>":
             self.i = self.balanced(self.i + 1, "(", ")")
         elif s.startswith("${", self.i):
@@ -3880,13 +4135,20 @@ class ShellLexer:
 
     def balanced(self, at: int, open_: str, close: str) -> int:
         """The index after the bracket that closes the one at `at` (quoted text skipped)."""
-        s, depth, j = self.s, 0, at
+        s, depth, j, stop = self.s, 0, at, _BALANCED_STOP[open_]
         while j < len(s):
+            self.count += 1  # a bracket or quote: a step of the budget (a million '$(' never closed)
+            if self.spent():
+                return len(s)
+            m = stop.search(s, j)
+            if m is None:
+                return len(s)
+            j = m.start()
             c = s[j]
             if c == "\\":
                 j += 2
                 continue
-            if c in "'\"" and open_ == "(":
+            if c in "'\"":
                 j = s.find(c, j + 1)
                 j = len(s) if j < 0 else j + 1
                 continue
@@ -3909,8 +4171,14 @@ class Node:
 
 
 class ShellParser:
+    """Commands as a tree. Compound commands nest at most MAX_DEPTH deep (a real script nests a few; each level is a
+    few Python frames here and in ShellRun): past that the parse stops and `cut` is the line it reached."""
+
+    MAX_DEPTH = 40
+
     def __init__(self, tokens: list) -> None:
         self.t, self.i = tokens, 0
+        self.depth, self.cut = 0, None
 
     def peek(self, ahead: int = 0):
         return self.t[self.i + ahead] if self.i + ahead < len(self.t) else None
@@ -3933,7 +4201,19 @@ class ShellParser:
             self.i += 1
 
     def parse_list(self, stop: tuple[str, ...] = ()) -> Node:
+        self.depth += 1
+        try:
+            return self._parse_list(stop)
+        finally:
+            self.depth -= 1
+
+    def _parse_list(self, stop: tuple[str, ...]) -> Node:
         seq = Node("seq")
+        if self.depth > self.MAX_DEPTH:
+            tok = self.peek()
+            self.cut = self.cut or (tok.line if isinstance(tok, Word) else tok[1] if tok else 0)
+            self.i = len(self.t)
+            return seq
         while True:
             self.skip(";", "&")
             if self.peek() is None or self.keyword(*stop) or self.op(")", ";;", ";&", ";;&"):
@@ -4100,18 +4380,53 @@ class StopScript(Exception):
     """An `exit` that always runs: nothing after it does."""
 
 
+class ShellBudget:
+    """What reading one script may cost, shared by every shell run in it (the script's, eval's, bash -c's): STEPS
+    commands run, expansions, and variables carried through a branch; BYTES of values made by expansions, all
+    values together (a piece of a value counts its text and 8 bytes, its slot in the list). A script of a few
+    hundred bytes can ask for more than any budget: a function that calls itself ten times, 8 calls deep, is 10^8
+    calls; a value doubled on each of 40 lines is 2^40 bytes. Past the budget, TooComplex stops the reading at the
+    line being run, and what was read up to there stands. Measured on the worst scripts tried (docs/faults.md): a
+    few tenths of a second and under 100 MB."""
+
+    STEPS = 50_000
+    BYTES = 32 * 2 ** 20
+
+    def __init__(self) -> None:
+        self.steps = self.bytes = 0
+        self.line = 0  # the script's line being run (inside a function: the line that called it)
+
+    def spend(self, steps: int = 0, nbytes: int = 0) -> None:
+        self.steps += steps
+        self.bytes += nbytes
+        if self.steps > self.STEPS:
+            raise TooComplex(self.line, f"more than {self.STEPS} commands and expansions to follow")
+        if self.bytes > self.BYTES:
+            raise TooComplex(self.line, f"its variables' values grow past {self.BYTES >> 20} MiB")
+
+    def value(self, value) -> None:
+        """Spend what a value just made holds (pieces, or an Arr of pieces)."""
+        items = value if isinstance(value, Arr) else [value]
+        self.spend(0, sum(len(t) + 8 for item in items for t, _ in item))
+
+
 class ShellRun:
     """Walks the parsed script keeping what each variable holds; `sink` gets every simple command that runs. A value
     is a list of (text, known) pieces, so '--chunks $CH' keeps '$CH' whole when CH is unknown."""
 
-    MAX_CALLS = 8
+    MAX_CALLS = 8  # functions calling functions: the depth; the count is the budget's
+    MAX_ARITHMETIC = 1000  # characters of a $(( )) this reading works out; longer ones are left unknown
 
-    def __init__(self, variables: dict, sink, exported: set[str] | None = None) -> None:
+    def __init__(self, variables: dict, sink, exported: set[str] | None = None,
+                 budget: ShellBudget | None = None) -> None:
+        self.budget = budget or ShellBudget()
+        self.top = budget is None  # the script's own shell (not eval's or bash -c's text): it tells the line
+        self.cut: TooComplex | None = None  # where the budget stopped the reading
         self.vars: dict = dict(variables)
         self.exported = set(variables) if exported is None else set(exported)
         self.functions: dict[str, Node] = {}
         self.positional: list | None = None  # the script's own $1 ... are unknown (sbatch job.slurm ARGS)
-        self.sink, self.conditional, self.calls = sink, 0, 0
+        self.sink, self.conditional, self.calls, self.nesting = sink, 0, 0, 0
         self.sourced: list[str] = []
 
     @staticmethod
@@ -4132,6 +4447,7 @@ class ShellRun:
         if value is UNKNOWN:
             return None
         pieces = self.joined(value)
+        self.budget.value(pieces)
         return "".join(t for t, _ in pieces) if all(k for _, k in pieces) else None
 
     # ---- expansions ----
@@ -4157,6 +4473,9 @@ class ShellRun:
     def arith(self, expr: str) -> int | None:
         """bash's integer $(( )) with the variables this reading knows; None when it cannot tell."""
         import ast
+        self.budget.spend(1)
+        if len(expr) > self.MAX_ARITHMETIC:
+            return None
 
         def value(m: re.Match) -> str:
             text = self.text_of(self.lookup(m.group(1) or m.group(2)))
@@ -4181,6 +4500,7 @@ class ShellRun:
 
     def expansion(self, raw: str):
         """The value of one expansion as written ($X, ${X:-d}, ${A[1]}, $((1+2)), ...), or UNKNOWN."""
+        self.budget.spend(1)
         if raw.startswith("$((") and raw.endswith("))"):
             n = self.arith(raw[3:-2])
             return UNKNOWN if n is None else self.known(str(n))
@@ -4223,9 +4543,16 @@ class ShellRun:
         return value
 
     def expand_text(self, text: str):
-        """Text expanded as inside double quotes (a default value)."""
+        """Text expanded as inside double quotes (a default value); unknown where defaults nest past MAX_CALLS."""
+        self.budget.spend(1, len(text))
+        if self.nesting >= self.MAX_CALLS:
+            return UNKNOWN
         word = ShellLexer('"' + text.replace('"', '\\"') + '"').word(emit=False)
-        return self.scalar(word) if word else []
+        self.nesting += 1
+        try:
+            return self.scalar(word) if word else []
+        finally:
+            self.nesting -= 1
 
     def scalar(self, word: Word) -> list:
         """The value of a word where bash does not split it (an assignment): pieces, unknown ones kept as written."""
@@ -4238,6 +4565,7 @@ class ShellRun:
             else:
                 value = self.expansion(text)
                 out += [(self.written(text), False)] if value is UNKNOWN else self.joined(value)
+        self.budget.value(out)
         return out
 
     @staticmethod
@@ -4276,12 +4604,17 @@ class ShellRun:
                     if not known:
                         fields[-1].append(piece)
                         continue
+                    # each field a string of its own: paid for before the split makes them (a 16 MiB value of
+                    # "a a a ..." would be 8 million strings, 500 MB)
+                    self.budget.spend(0, 64 * (piece.count(" ") + piece.count("\t") + piece.count("\n")))
                     parts = re.split(r"[ \t\n]+", piece)
                     fields[-1].append(parts[0])
                     for p in parts[1:]:
                         fields.append([p])
-        return ["".join(p for p in f if p is not None) for f in fields
-                if None in f or "".join(p for p in f if p is not None)]
+        out = ["".join(p for p in f if p is not None) for f in fields
+               if None in f or "".join(p for p in f if p is not None)]
+        self.budget.spend(len(out), sum(len(f) + 8 for f in out))
+        return out
 
     # ---- running ----
     def branch(self, *bodies: Node, taken_for_sure: bool = False) -> None:
@@ -4291,6 +4624,7 @@ class ShellRun:
         self.conditional += 1
         try:
             for body in bodies:
+                self.budget.spend(2 * len(before))  # the copy, and the comparison after
                 self.vars = dict(before)
                 try:
                     self.run(body)
@@ -4299,13 +4633,17 @@ class ShellRun:
                 outcomes.append(self.vars)
         finally:
             self.conditional -= 1
-        self.vars = {k: v for k, v in outcomes[0].items() if all(o.get(k, UNKNOWN) == v for o in outcomes[1:])}
+        self.vars = {k: v for k, v in outcomes[0].items()  # `is` first: a value no branch changed is not compared
+                     if all((x := o.get(k, UNKNOWN)) is v or x == v for o in outcomes[1:])}
         for o in outcomes:
             for k in o:
                 self.vars.setdefault(k, UNKNOWN)
 
     def run(self, node: Node) -> None:
         kind = node.kind
+        if self.top and not self.calls and node.line:
+            self.budget.line = node.line
+        self.budget.spend(1)
         if kind in ("seq", "group"):
             for child in (node.children if kind == "seq" else node.children[0].children):
                 self.run(child)
@@ -4346,6 +4684,7 @@ class ShellRun:
 
     def assign(self, name: str, append: str, value_word: Word) -> None:
         if value_word.parts and value_word.parts[0][0] == "array":
+            self.budget.spend(1, len(value_word.parts[0][1]))
             inner = ShellLexer(value_word.parts[0][1]).run().tokens
             value = Arr(self.known(f) if "$" not in f else [(f, False)]
                         for w in inner if isinstance(w, Word) for f in self.fields(w))
@@ -4354,6 +4693,7 @@ class ShellRun:
         old = self.vars.get(name, UNKNOWN)
         if append and old is not UNKNOWN:
             value = Arr(old + value) if isinstance(old, Arr) or isinstance(value, Arr) else old + value
+            self.budget.value(value)
         elif append:
             value = UNKNOWN
         self.vars[name] = value
@@ -4402,7 +4742,7 @@ class ShellRun:
                 raise StopScript
             return
         if cmd == "eval":
-            self.run_text(" ".join(args))
+            self.eval(args)
             return
         if cmd in self.functions and self.calls < self.MAX_CALLS:
             saved, self.positional = self.positional, [[(a, "$" not in a)] for a in args]
@@ -4417,17 +4757,37 @@ class ShellRun:
         exported = {n: self.text_of(self.vars.get(n, UNKNOWN)) for n in self.exported if n.startswith("SRUN_")}
         self.sink(Ran(fields, env, node.line, self.conditional > 0, {**exported, **env}))
 
+    def eval(self, args: list[str]) -> None:
+        """eval: its words as a script; an eval of itself goes as deep as functions do (MAX_CALLS), no deeper."""
+        if self.calls < self.MAX_CALLS:
+            self.calls += 1
+            try:
+                self.run_text(" ".join(args))
+            finally:
+                self.calls -= 1
+
     def run_text(self, text: str) -> None:
         """A piece of shell given as a string (eval, bash -c): parsed and run here."""
+        self.budget.spend(1, len(text))
         lexer = ShellLexer(text).run()
+        self.budget.spend(len(lexer.tokens))
         self.run(ShellParser(lexer.tokens).parse_list())
 
     def run_script(self, text: str) -> ShellLexer:
+        """Run the script; where the budget runs out (TooComplex), `cut` says where and the commands so far stand."""
         lexer = ShellLexer(text).run()
+        parser = ShellParser(lexer.tokens)
+        tree = parser.parse_list()
         try:
-            self.run(ShellParser(lexer.tokens).parse_list())
+            self.run(tree)
         except StopScript:
             pass
+        except TooComplex as exc:
+            self.cut = exc
+        except RecursionError:  # functions calling functions, each nesting commands: deeper than Python goes
+            self.cut = TooComplex(self.budget.line, "functions and commands nested too deep")
+        if parser.cut and not (self.cut and self.cut.line <= parser.cut):
+            self.cut = TooComplex(parser.cut, f"commands nested more than {parser.MAX_DEPTH} deep")
         return lexer
 
 
@@ -4577,7 +4937,7 @@ def find_launches(ran: Ran, name: str, findings: Findings, srun: list | None = N
         text = words[words.index("-c", i) + 1] if words.index("-c", i) + 1 < len(words) else ""
         found: list[LaunchLine] = []
         inner = ShellRun({k: v for k, v in shell.vars.items() if k in shell.exported}, lambda r: found.extend(
-            find_launches(r, name, findings, srun, srun is not None, None)), shell.exported)
+            find_launches(r, name, findings, srun, srun is not None, None)), shell.exported, shell.budget)
         if srun is not None:
             inner.vars.update({k: UNKNOWN for k in PER_TASK})
         try:
@@ -4775,6 +5135,12 @@ def script_file_problems(path: str | os.PathLike, text: str, too_large: bool, jo
         findings.error("dos-line-breaks", f"{name}: the file has DOS line breaks (\\r\\n): sbatch refuses it "
                        f"('Batch script contains DOS line breaks'); convert it: dos2unix {name}")
         text = text.replace("\r\n", "\n")
+    lone = text.count("\r")
+    if lone and lone >= text.count("\n"):  # old Mac line ends: every line but one ends in \r alone
+        findings.error("cr-line-breaks", f"{name}: the lines end with \\r alone ({lone} of them, {text.count(chr(10))} "
+                       "\\n): sbatch accepts the file (it refuses only \\r\\n, src/sbatch/sbatch.c "
+                       "contains_dos_linebreak), but sbatch and bash read it as one line: no #SBATCH line applies and "
+                       f"nothing runs; convert it: tr '\\r' '\\n' < {name} > fixed_{name}")
     if not text.startswith("#!"):
         findings.error("no-shebang", f"{name}:1: the first line is not '#!' and an interpreter: sbatch refuses the "
                        "file ('This does not look like a batch script'); make line 1 '#!/bin/bash'")
@@ -4794,7 +5160,14 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     text = script_file_problems(path, text, too_large, job, findings)
     if text is None:
         return job, training, findings
-    first_command = read_directives(text, name, job, findings)
+    try:
+        first_command = read_directives(text, name, job, findings)
+    except TooComplex as cut:
+        too_complex(name, cut, findings)
+        check_option_conflicts(job, findings)
+        read_launch_lines(job, [], findings)
+        job.trainer, job.srun = None, None
+        return job, training, findings
     if any(f.code == "count-too-large" for f in findings):
         job.unplanned = "a count no node has"
         return job, training, findings
@@ -4810,6 +5183,10 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     try:
         lexer = shell.run_script(text)
         heredocs = lexer.heredocs
+        cuts = [c for c in (shell.cut, TooComplex(lexer.cut, f"more than {lexer.MAX_TOKENS} words to read")
+                            if lexer.cut else None) if c]
+        if cuts:
+            too_complex(name, min(cuts, key=lambda c: c.line), findings)
         if lexer.unclosed:
             line, quote = lexer.unclosed
             findings.error("bad-command", f"{name}:{line}: the {quote} opened here is never closed: bash stops the "
@@ -4828,6 +5205,13 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     read_trainer_line(kit, kit.program, kit.where, job, training, findings)
     read_launch_lines(job, [x for x in launches if x is not kit and x.srun is not None], findings)
     return job, training, findings
+
+
+def too_complex(name: str, cut: TooComplex, findings: Findings) -> None:
+    """The one finding of a script whose reading spent its budget (ShellBudget, MAX_TOKENS, MAX_DIRECTIVES)."""
+    findings.warn("too-complex", f"{name}:{cut.line}: this script is too complex to follow past line {cut.line} "
+                  f"({cut.what}); checked up to there: check what comes after by hand, or simplify it (generated "
+                  "commands, deep function calls and huge values are what cost)")
 
 
 def read_launch_lines(job: Job, launches: list[LaunchLine], findings: Findings) -> None:
@@ -5809,6 +6193,7 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
         if taken_on and ntype and taken_on != ntype:
             mismatch = (f"it was taken on {taken_on} nodes and the plan is for {ntype}: a profile's times hold for "
                         "its node type only; take one there (docs/speed.md)")
+        mismatch = mismatch or profile_gpu_mismatch(profile, ntype)
         if mismatch:
             raise UsageError(f"--profile {args.profile}: {mismatch}")
         # what the command line does not give is the profile's model: the one it was taken with
@@ -5866,6 +6251,10 @@ def rank_by_speed(rows: list[dict], profile: dict, model: dict, nodes: int) -> l
             guess = predict_speed(profile, m, t, r["nb_part"], r["replicas"], r["ntasks_per_node"], nodes)
         except ProfileError as exc:
             r.update(samples_per_s=None, why=str(exc))
+            continue
+        except (ArithmeticError, ValueError):  # times the checks let through but the model divides by: all zero
+            r.update(samples_per_s=None, why="the profile's times are zero where the model divides by them: take "
+                     "it again with benchmarks/speed_profile.py")
             continue
         r.update(samples_per_s=round(guess["samples_per_s"], 1), step_ms=round(guess["step_s"] * 1e3, 2),
                  terms_ms={k: round(v * 1e3, 2) for k, v in guess["terms"].items()}, notes=guess["notes"])

@@ -18,6 +18,7 @@ This module never imports torch: the pre-flight checker uses it before any GPU h
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from functools import cached_property
@@ -36,6 +37,12 @@ class LaunchError(ValueError):
     """A launcher variable is missing or malformed; the message names it, its value and the fix."""
 
 
+# The most nodes a step's tasks-per-node list may describe: the largest machines have tens of thousands of nodes,
+# Jean Zay about 2000. python-hostlist expands '1(x99999999)' into a list of that many counts: 11 kB of such text
+# cost 1.5 GB before this bound (issue 35).
+MAX_NODES = 65536
+
+
 def expand_nodelist(value: str, variable: str = "nodelist") -> list[str]:
     """Expand a Slurm hostlist ('r7i[0-2,5],r8i1', 'n[001-010]', 'a[1-2]b[3-4]') into host names."""
     try:
@@ -51,6 +58,14 @@ def expand_nodelist(value: str, variable: str = "nodelist") -> list[str]:
 
 def parse_tasks_per_node(value: str, variable: str = "tasks per node") -> list[int]:
     """Expand Slurm's tasks-per-node string ('2(x3)', '2(x2),1', '4,2(x2)') into one count per node."""
+    nodes = 0
+    for item in value.split(","):
+        m = re.search(r"\(x(\d{1,9})\)", item)
+        nodes += int(m.group(1)) if m else 1
+        if nodes > MAX_NODES or re.search(r"\(x\d{10}", item):
+            raise LaunchError(f"{variable}={value[:40]!r}{'...' if len(value) > 40 else ''} describes more than "
+                              f"{MAX_NODES} nodes, more than any machine has; Slurm sets it for each step: unset it, "
+                              "or start the task with srun")
     try:
         counts = hostlist.parse_slurm_tasks_per_node(value.strip())
     except hostlist.BadHostlist as exc:
@@ -108,7 +123,8 @@ class Launch:
 
     def _check(self) -> None:
         """Read every fact once so a bad variable fails here, with its name, not at first use."""
-        for attr in ("size", "rank", "local_rank", "tasks_per_node", "node_id", "hostnames"):
+        for attr in ("size", "rank", "local_rank", "tasks_per_node", "node_id", "hostnames", "cpus_per_task",
+                     "visible_gpus"):
             getattr(self, attr)
         if self.node_id >= self.num_nodes:
             node_var = {"slurm": "SLURM_NODEID", "torchrun": "GROUP_RANK"}.get(self.launcher, "node id")
@@ -251,7 +267,16 @@ class Launch:
     def visible_gpus(self) -> list[str]:
         """CUDA_VISIBLE_DEVICES as a list: the GPUs this process may use, in CUDA order; [] when none."""
         value = self.env.get("CUDA_VISIBLE_DEVICES", "").strip()
-        return [] if value in ("-1", "NoDevFiles") else [g.strip() for g in value.split(",") if g.strip()]
+        gpus = [] if value in ("-1", "NoDevFiles") else [g.strip() for g in value.split(",") if g.strip()]
+        # CUDA and torch read a repeated index as no GPU at all (torch/cuda/__init__.py, _parse_visible_devices:
+        # "Repeated ordinal results in empty set"): the plan would name GPUs the process cannot see
+        ids = [str(int(g)) if g.isdigit() else g for g in gpus]
+        twice = next((g for n, g in enumerate(ids) if g in ids[:n]), None)
+        if twice is not None:
+            raise LaunchError(f"CUDA_VISIBLE_DEVICES={value!r} names GPU {twice} twice: CUDA then shows no GPU at all "
+                              "(a repeated index empties the list); give each GPU once, e.g. "
+                              f"CUDA_VISIBLE_DEVICES={','.join(str(i) for i in range(len(gpus)))}, or unset it")
+        return gpus
 
     @cached_property
     def gpus_on_node(self) -> int | None:
@@ -292,7 +317,8 @@ class Launch:
         if self.env.get("MASTER_PORT", "").strip():
             port = self._int("MASTER_PORT", minimum=1)
             if port > 65535:
-                raise LaunchError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+                raise LaunchError(f"MASTER_PORT={port} is not a TCP port (1..65535): export a free one, e.g. "
+                                  "MASTER_PORT=29500, or unset it (the kit then derives one from the job id)")
             return port
         if self.job_id and self.job_id.isdigit():
             return 10000 + (int(self.job_id) % 4000) * 5 + self.step_id % 5

@@ -253,6 +253,7 @@ NOT_IN_CORPUS = {
     "count-too-large": "tests/test_scripts.py test_huge_counts_in_a_script",
     "script-too-large": "tests/test_scripts.py test_odd_files", "not-a-script": "tests/test_scripts.py test_odd_files",
     "shell-unread": "a script nested past Python's recursion limit (not written by hand)",
+    "too-complex": "tests/test_faults_checker.py", "cr-line-breaks": "tests/test_faults_checker.py",
     "gpu-bind-mask": "test_parse_errors", "gpu-bind-closest": "test_parse_errors",
     "ntasks-below-nodes": "test_placement_measured", "step-nodes": "test_placement_measured",
     "srun-ntasks-per-node-conflict": "test_placement_measured",
