@@ -2617,8 +2617,9 @@ CATCHES = {
                            "1 CPU)"),
     "launcher-agents-per-node": ("error", "several torchrun/deepspeed/accelerate agents per node (srun's tasks): "
                                  "they race for the rendezvous"),
-    "launcher-nodes-mismatch": ("error", "a launcher's node count (--nnodes, --num_machines, --num_nodes, "
-                                "--node_rank) that disagrees with the nodes that start it"),
+    "launcher-nodes-mismatch": ("error", "a launcher's node count (--nnodes, --num_machines, --num_nodes) that "
+                                "disagrees with the nodes that start it, or a node rank (--node_rank, --machine_rank) "
+                                "that is not each agent's own"),
     "launcher-not-modelled": ("warning", "the kit's trainer under deepspeed or accelerate"),
     "processes-exceed-gpus": ("error/warning", "more processes per node than GPUs (a launcher's workers; srun tasks of "
                               "another program: a warning)"),
@@ -5572,13 +5573,29 @@ def torchrun_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | None
         workers = len(view) if gpn else node_cores(job)
     elif workers == "cpu":
         workers = node_cores(job)
-    rank, static = opts.get("node-rank"), (opts.get("rdzv-backend") or "static") == "static"
-    if static and rank is not None and "$" not in rank and nodes > 1:
-        findings.error("launcher-nodes-mismatch", f"{where}: every torchrun agent gets --node_rank={rank} (the batch "
-                       f"shell expanded it once, before srun), so the {nodes} agents claim the same node rank; let "
-                       "each task expand it: srun bash -c 'torchrun --node_rank $SLURM_NODEID ...', or use "
-                       "--rdzv_backend=c10d")
+    if (opts.get("rdzv-backend") or "static") == "static":  # c10d ignores it (torch/distributed/run.py)
+        check_node_rank(launch, "node_rank", nodes, "--rdzv_backend=c10d", findings)
     return workers, nodes_expected(opts.get("nnodes"), "standalone" in opts)
+
+
+def check_node_rank(launch: "LaunchLine", option: str, nodes: int, other: str | None, findings: Findings) -> None:
+    """A launcher's node rank (torchrun --node_rank, accelerate --machine_rank, deepspeed --no_ssh --node_rank) must
+    be each agent's own. The batch shell expands $SLURM_NODEID (0 there), a variable set from it, or a number once,
+    before srun: every agent then claims the same rank. Single-quoted, nobody expands it: srun runs the launcher
+    without a shell, and its argparse (type=int) refuses the text. Only `srun bash -c '...'` expands it per task."""
+    rank, kind, where = launch.options.get(option.replace("_", "-")), launch.launcher, launch.where
+    prog = {"accelerate": "accelerate launch", "deepspeed": "deepspeed --no_ssh"}.get(kind, kind)
+    fix = f"srun bash -c '{prog} --{option} $SLURM_NODEID ...'" + (f", or use {other}" if other else "")
+    if rank is None or launch.srun is None:
+        return
+    if "$" not in rank and nodes > 1:  # per task too: `bash -c "..."` in double quotes, a value set before srun
+        findings.error("launcher-nodes-mismatch", f"{where}: every {kind} agent gets --{option}={rank}: the batch "
+                       "shell expanded it once, before srun ($SLURM_NODEID and $SLURM_PROCID are 0 there), so the "
+                       f"{nodes} agents claim the same node rank; let each task expand it: {fix}")
+    elif not launch.per_task and re.fullmatch(r"\$\{?(" + "|".join(PER_TASK) + r")\}?", rank):
+        findings.error("launcher-nodes-mismatch", f"{where}: {kind} gets the text --{option}={rank}, unexpanded "
+                       f"(quoted: srun starts {kind} without a shell), and refuses it ('invalid int value', exit 2, "
+                       f"on all {nodes} node(s)); let a shell in each task expand it: {fix}")
 
 
 def deepspeed_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | None, view: list[str], layout: dict,
@@ -5586,6 +5603,8 @@ def deepspeed_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | Non
     """deepspeed without a hostfile runs on its own node: --num_gpus, else every GPU it sees; --num_nodes > 1 is
     refused there (deepspeed/launcher/runner.py). A hostfile, --include or another --launcher decide themselves."""
     opts, where = launch.options, launch.where
+    if "no-ssh" in opts:  # each node's deepspeed starts its own share, as --node_rank says (runner.py main)
+        check_node_rank(launch, "node_rank", nodes, None, findings)
     if "hostfile" in opts or "include" in opts or (opts.get("launcher") or "pdsh").lower() != "pdsh":
         given = "a hostfile" if "hostfile" in opts else "--include or --launcher"
         layout["notes"].append(f"{where}: deepspeed with {given}: the nodes and processes it starts come from there, "
@@ -5610,6 +5629,8 @@ def accelerate_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | No
     """accelerate launch: --num_processes over --num_machines machines (accelerate/commands/launch.py gives each
     machine num_processes // num_machines); without --num_processes its configuration file decides."""
     opts, where = launch.options, launch.where
+    if (opts.get("rdzv-backend") or "static") == "static":  # passed to torchrun as --node_rank (launch.py)
+        check_node_rank(launch, "machine_rank", nodes, "--rdzv_backend c10d", findings)
     procs, machines = opts.get("num-processes"), opts.get("num-machines") or "1"
     if not (procs or "").isdigit() or not machines.isdigit():
         layout["notes"].append(f"{where}: accelerate launch without a known --num_processes"
