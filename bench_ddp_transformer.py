@@ -25,20 +25,85 @@ from __future__ import annotations
 import signal
 import sys
 
-# Slurm's --signal=USR1@seconds (and scancel's SIGTERM) can arrive while torch imports, the data loads or the tasks
-# meet: SIGUSR1's default action kills the process (exit 138) and the job is not requeued. Both are held from the
-# first lines, before torch is imported; StopRequest acts on them at the first step (checkpoint, exit 75). Only where
-# a trainer is the program (bench_stage.py sets HOLD_STOP_SIGNALS before importing this file): importers keep theirs.
-PENDING_SIGNALS: list[str] = []
+# The stop signals: SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit), SIGTERM (scancel, preemption, the
+# time limit itself) and SIGINT (Ctrl-C) each mean "finish the step, checkpoint, exit 75" (StopRequest). They can come
+# while torch imports, the data loads or the tasks meet, where their default actions kill the process (exit 138, 143,
+# or a KeyboardInterrupt traceback) and the job is not requeued: so they are held from here, the first statements,
+# before anything else is imported. What runs before this line (the interpreter's start and the compilation of this
+# file, 20-60 ms) is out of reach of any Python program; a launcher that blocks them over that time has them
+# delivered here, held (the unblock below). Only where a trainer is the program (bench_stage.py holds them from its
+# own first lines, into its PENDING_SIGNALS, and sets HOLD_STOP_SIGNALS): importers keep their handlers.
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+PENDING_SIGNALS: list[str] = getattr(sys.modules.get("__main__"), "PENDING_SIGNALS", [])  # the names, in order
+# Ctrl-C twice: saves under way (interrupts_held); the run is ending (its stop agreed, or main() returned), so a second
+# Ctrl-C has nothing left to cut short; a second Ctrl-C that waits for the end of a save or for the next step
+CTRL_C = {"saving": 0, "ending": False, "deferred": False}
 
 
 def hold_signal(signum: int, frame: object) -> None:
-    PENDING_SIGNALS.append(signal.Signals(signum).name)
+    """Note a stop signal: StopRequest acts on it at the next step. Ctrl-C a second time stops at once (cli() says
+    so in one line), but never inside a save: torch.save turns an exception raised in its writer into a RuntimeError
+    about the zip file, which the save's error path took for a full disk, and training went on. Nor inside a
+    __del__ (Python prints "Exception ignored in ..." with a traceback, and drops the interrupt): it waits for the
+    next step there."""
+    name = signal.Signals(signum).name
+    again = name == "SIGINT" and "SIGINT" in PENDING_SIGNALS
+    PENDING_SIGNALS.append(name)
+    if name == "SIGINT" and not again and is_rank0():
+        import os  # loaded by the interpreter already; os.write, not print: this may interrupt a print
+        os.write(2, b"Ctrl-C: stopping after this step, with a checkpoint where --save is given (exit 75); "
+                    b"Ctrl-C again stops at once\n")
+    if again:
+        if CTRL_C["saving"] or CTRL_C["ending"] or in_finalizer(frame):
+            CTRL_C["deferred"] = True
+        else:
+            raise KeyboardInterrupt
+
+
+def in_finalizer(frame: object) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def is_rank0() -> bool:
+    """This task is rank 0, from the launcher's variables (idr_torch is not imported yet where this is needed)."""
+    import os
+    return (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", "")
+
+
+def hold_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored stays ignored (Ctrl-C in a background job)
+            signal.signal(sig, hold_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 if __name__ == "__main__" or getattr(sys.modules.get("__main__"), "HOLD_STOP_SIGNALS", False):
-    for _sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(_sig, hold_signal)
+    hold_stop_signals()
+
+
+def interrupts_held(save: Callable) -> Callable:
+    """A save decorated with this is not cut by a second Ctrl-C: the interrupt is raised when the save ends."""
+    @functools.wraps(save)
+    def held(*args: object, **kwargs: object) -> object:
+        CTRL_C["saving"] += 1
+        try:
+            return save(*args, **kwargs)
+        finally:
+            CTRL_C["saving"] -= 1
+            interrupt_if_deferred()
+    return held
+
+
+def interrupt_if_deferred() -> None:
+    """Raise the second Ctrl-C that waited (for a save's end, or out of a __del__), unless the run is ending."""
+    if CTRL_C["deferred"] and not CTRL_C["saving"] and not CTRL_C["ending"]:
+        CTRL_C["deferred"] = False
+        raise KeyboardInterrupt
+
 
 import argparse
 import atexit
@@ -46,6 +111,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import gc
 import hashlib
 import json
@@ -1053,8 +1119,45 @@ def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, replicas: int, ran
     sampler = torch.utils.data.DistributedSampler(BatchTensors(x, y), num_replicas=replicas, rank=rank,
                                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
     batches = torch.utils.data.BatchSampler(sampler, batch, drop_last=drop_last)
-    return torch.utils.data.DataLoader(BatchTensors(x, y), sampler=batches, batch_size=None, num_workers=workers,
-                                       pin_memory=pin, persistent_workers=workers > 0)
+    return Loader(BatchTensors(x, y), sampler=batches, batch_size=None, num_workers=workers, pin_memory=pin,
+                  persistent_workers=workers > 0, worker_init_fn=functools.partial(worker_keeps_on, os.getpid()))
+
+
+class Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose workers live through the job's stop signals, which their trainer acts on (StopRequest).
+    Slurm signals every process of a step (scancel, preemption, the time limit), a terminal's Ctrl-C its whole
+    foreground group. torch's worker loop (torch/utils/data/_utils/worker.py, _worker_loop) installs DataLoader.cpp's
+    handler_SIGTERM: exit 0 if the sender is the worker's parent, else die by SIGTERM, and the trainer fails on
+    "DataLoader worker (pid ...) is killed by signal: Terminated"; SIGINT's KeyboardInterrupt ends the loop
+    quietly, the trainer waiting for a worker that is gone. The workers are forked in __iter__ (the first one, they
+    persist): with the stop signals blocked, so that none reaches a worker before worker_keeps_on has run, and no
+    thread of a worker (torch starts some before it) ever takes SIGTERM with torch's handler."""
+
+    def __iter__(self) -> object:
+        if not self.num_workers:
+            return super().__iter__()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a signal meanwhile is held, not lost
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def worker_keeps_on(trainer: int, worker_id: int) -> None:
+    """worker_init_fn (Loader): SIGINT and SIGUSR1 ignored; SIGTERM, blocked in every thread, taken by one thread
+    that keeps torch's rule for the trainer's own SIGTERM alone: DataLoader's _shutdown_workers and
+    multiprocessing's exit handler end a worker with terminate() and then wait for it (ignored, the trainer's exit
+    would hang). A worker also ends within 5 s when its trainer dies (the loop's ManagerWatchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    threading.Thread(target=end_on_sigterm_from, args=(trainer,), name="sigterm", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
+
+
+def end_on_sigterm_from(trainer: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == trainer:
+            os._exit(0)  # as torch's handler_SIGTERM does for its parent's
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1292,6 +1395,7 @@ def atomic_torch_save(obj: object, path: Path) -> None:
     sync_folder(path.parent)
 
 
+@interrupts_held  # a second Ctrl-C waits for the pair to be whole (hold_signal)
 def save_checkpoint(path: str, model_state: dict, resume: dict) -> None:
     """The pair, replaced as a pair (see above): both files written whole, the companion staged, the model file
     committed, the companion moved into place. A failure before the commit removes what it wrote and leaves the
@@ -1596,26 +1700,29 @@ class SaveLock:
 
 
 class StopRequest:
-    """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit) or SIGTERM (scancel, preemption): finish
-    the current step, checkpoint, exit 75. Every rank must stop at the same step, or DDP would wait for the
-    missing ones forever: the flags are OR-ed across ranks after every step, on the CPU (gloo), so the GPU
-    stream is never synchronised for it."""
+    """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit), SIGTERM (scancel, preemption) or SIGINT
+    (Ctrl-C), held by hold_signal since start-up: finish the current step, checkpoint, exit 75. Every rank must stop
+    at the same step, or DDP would wait for the missing ones forever: the flags are OR-ed across ranks after every
+    step, on the CPU (gloo), so the GPU stream is never synchronised for it."""
     EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the templates requeue on it
 
     def __init__(self) -> None:
-        self.signal: str | None = PENDING_SIGNALS[-1] if PENDING_SIGNALS else None  # held since start-up
         self.flag = torch.zeros(1)
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+        if threading.current_thread() is threading.main_thread():  # the program holds them already; an importer not
+            hold_stop_signals()
 
-    def _handler(self, signum: int, frame: object) -> None:
-        self.signal = signal.Signals(signum).name
+    @property
+    def signal(self) -> str | None:
+        """The first stop signal this task received (the reason), or None."""
+        return PENDING_SIGNALS[0] if PENDING_SIGNALS else None
 
     def agreed(self, world: int) -> bool:
-        self.flag[0] = 1.0 if self.signal else 0.0
+        interrupt_if_deferred()
+        self.flag[0] = 1.0 if PENDING_SIGNALS else 0.0
         if world > 1:
             dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=HOST_GROUP[0])
-        return bool(self.flag[0] > 0)
+        CTRL_C["ending"] = stop = bool(self.flag[0] > 0)  # the stop's checkpoint next: Ctrl-C again does not cut it
+        return stop
 
 
 def reduce_max(values: list[float], device: str, world: int) -> list[float]:
@@ -1992,13 +2099,20 @@ def cli(main: Callable[[], int], prog: str) -> None:
     own error (TaskError, LaunchError) by that task; Quiet ones exit 1 without a line."""
     PROG[0] = prog
     try:
-        sys.exit(main())
+        code = main()
+        CTRL_C["ending"] = True  # what is left is the interpreter's exit: a Ctrl-C there would only add a traceback
+        sys.exit(code)
     except check_topology.ArgumentError as exc:  # the line itself: argparse's usage-error status
         if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", ""):
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Quiet:
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C twice (hold_signal): at once, one line, the shell's status for SIGINT
+        if is_rank0():
+            print(f"{prog}: interrupted (Ctrl-C twice): stopped at once, without a checkpoint of this point; "
+                  "--resume goes on from the last one --save wrote", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (RunError, idr_torch.LaunchError) as exc:
         value = (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip()
         rank = int(value) if value.isdigit() else 0  # a malformed one is the LaunchError being reported
