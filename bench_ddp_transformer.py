@@ -289,6 +289,28 @@ def init_distributed(timeout: float, cuda: bool) -> None:
     HOST_GROUP[:] = [dist.new_group(backend="gloo") if cuda else None]
 
 
+def flight_recorder_names(torch_version: str) -> tuple[str, str]:
+    """The names this torch release reads first for nccl's flight recorder: (its buffer size, its dump file). Set
+    under the other name, a release either ignores the value or prints "Environment variable ... is deprecated; use
+    ... instead" (WARN_ENV_VAR_ONCE in c10d/Utils.hpp: getCvarInt/getCvarString warn for any name of a list but the
+    first that is set; 2.11 printed it twice per task, once per FlightRecorder instance). The sources:
+      - 2.3.1, 2.4.1 (TraceUtils.h), 2.6.0 (FlightRecorder.hpp:103): getCvarInt({"TORCH_NCCL_TRACE_BUFFER_SIZE"}, 0)
+        and getCvarString({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}, "/tmp/nccl_trace_rank_"); no TORCH_FR_ name in their
+        libtorch_cuda.so. 2.5 and 2.7 lie between: pytorch#152563, which added the TORCH_FR_ names ("Make FR vendor
+        neutral"), was merged on 2025-05-07, after 2.7.0.
+      - 2.8.0 (FlightRecorder.hpp:100), 2.13.0 and 2.14.1 (FlightRecorder.hpp:111): getCvarInt({"TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 0 in 2.8, 2000 later), and FlightRecorder.cpp's getCvarString(
+        {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}, ...) (both names in 2.8.0's and 2.14.1's
+        libtorch_cpu.so); 2.11.0 on the H200 printed the deprecation for TORCH_NCCL_TRACE_BUFFER_SIZE.
+    ProcessGroupNCCL itself still reads TORCH_NCCL_TRACE_BUFFER_SIZE alone (its traceBufferSize_, which gates the
+    dump, default 2000 from 2.8: the default FlightRecorder's was brought up to by pytorch#172843), and
+    TORCH_NCCL_DUMP_ON_TIMEOUT has that one name in every release (ProcessGroupNCCL.hpp)."""
+    major, minor = (int(x) for x in re.findall(r"\d+", torch_version)[:2])
+    if (major, minor) >= (2, 8):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
 def nccl_environment() -> str:
     """What a hang and an error leave to read, set before the first nccl group (each release reads these once, in
     ProcessGroupNCCL's constructor); a value the user exported wins. Names and defaults from each release's
@@ -300,13 +322,12 @@ def nccl_environment() -> str:
       - TORCH_NCCL_BLOCKING_WAIT: not set. It makes every wait() block the CPU until the collective ends (the
         timeout then raises in Python), so the CPU stops queuing work ahead of DDP's all-reduces; the watchdog
         above times out the same collectives without that cost.
-      - Flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE (TORCH_FR_BUFFER_SIZE first from 2.8) = 2000 last
-        collectives per task (the default is 0, off, in the older sources, 2000 in the newer);
-        TORCH_NCCL_DUMP_ON_TIMEOUT=1 (off by default in 2.3) writes them when the watchdog fires, to
-        TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (TORCH_FR_DUMP_TEMP_FILE first from 2.8), by default
-        /tmp/nccl_trace_rank_<rank>: a compute node's /tmp, gone with the job, so here the job's folder:
-        nccl_trace_<job>/rank_<rank>. Read it with `torchfrtrace nccl_trace_<job>` (2.6 on) or pickle.load
-        (docs/gpu.md).
+      - Flight recorder, under the names this release reads first (flight_recorder_names): its buffer size = 2000
+        last collectives per task (the default is 0, off, in the older sources, 2000 in the newer);
+        TORCH_NCCL_DUMP_ON_TIMEOUT=1 (off by default in 2.3) writes them when the watchdog fires, to its dump
+        file + <rank>, by default /tmp/nccl_trace_rank_<rank> (~/.cache/torch/comm_lib_trace_rank_ later): a
+        compute node's disk, gone with the job, so here the job's folder: nccl_trace_<job>/rank_<rank>. Read it
+        with `torchfrtrace nccl_trace_<job>` (2.6 on) or pickle.load (docs/gpu.md).
       - NCCL_DEBUG=WARN: nccl prints its own errors (e.g. "Duplicate GPU detected : rank 0 and rank 1 both on CUDA
         device ...", a network failure) on stderr, not only an error code."""
     env, said = os.environ, []
@@ -318,20 +339,35 @@ def nccl_environment() -> str:
     if mode in ("0", "2"):
         said.append("warning: with async error handling 0 or 2 a collective whose peer died blocks until the time "
                     "limit; unset it (the default, 3, ends the task after --timeout)")
-    if not (env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
-        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    size_name, file_name = flight_recorder_names(torch.__version__)
+    size = read_first(env, size_name, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE") or "2000"
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    if not (env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
+    trace = read_first(env, file_name, "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if trace is None:
         folder = Path(f"nccl_trace_{idr_torch.current().job_id or os.getpid()}").resolve()
         with contextlib.suppress(OSError):
             folder.mkdir(exist_ok=True)
             atexit.register(_remove_if_empty, folder)  # a run that ends normally leaves no empty folder behind
-        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{folder}/rank_"
+        trace = env[file_name] = f"{folder}/rank_"
+    env.setdefault(size_name, size)
     env.setdefault("NCCL_DEBUG", "WARN")
-    trace = env.get("TORCH_FR_DUMP_TEMP_FILE") or env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
-    return ", ".join(said + [f"on a timeout each task writes its last "
-                             f"{env.get('TORCH_FR_BUFFER_SIZE') or env['TORCH_NCCL_TRACE_BUFFER_SIZE']} "
-                             f"collectives to {trace}<rank> (flight recorder) and its Python stacks to stderr"])
+    return ", ".join(said + [f"on a timeout each task writes its last {size} collectives to {trace}<rank> (flight "
+                             "recorder) and its Python stacks to stderr"])
+
+
+def read_first(env: dict[str, str], name: str, *names: str) -> str | None:
+    """The user's value: under `name` (the one this release reads first), else under another of `names`, then
+    copied to `name` only where this release does not read that other one (an older release and a TORCH_FR_ name:
+    ignored there). A value under the older name on a newer release is left as it is, with torch's warning: the
+    user's choice."""
+    if env.get(name, "").strip():
+        return env[name]
+    for other in names:
+        if other != name and env.get(other, "").strip():
+            if other.startswith("TORCH_FR_"):
+                env[name] = env[other]
+            return env[other]
+    return None
 
 
 def _remove_if_empty(folder: Path) -> None:
