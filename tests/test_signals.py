@@ -90,7 +90,7 @@ def test_signal_to_the_process_group_with_workers(tmp_path, layout, sig):
     assert b.resume_file(ckpt).exists()
 
 
-# ---- a stop signal at any moment of start-up ---------------------------------------------------------------------------
+# ---- a stop signal at any moment of start-up -------------------------------------------------------------------
 def held_from(script: str) -> int:
     """The line of `script` that installs the stop signals' handler; every statement before it imports only signal
     and sys (or is the docstring, `from __future__`, or a plain assignment)."""
@@ -156,7 +156,7 @@ def test_bench_stage_stops_on_a_signal_sent_at_its_start(tmp_path):
     assert "stopping on SIGTERM at epoch 1, batch 1/" in out and "checkpoint saved to" in out, out
 
 
-# ---- Ctrl-C: once, a stop with the checkpoint (above); twice, at once; never swallowed by a save -----------------------
+# ---- Ctrl-C: once, a stop with the checkpoint (above); twice, at once; never swallowed by a save ---------------
 @pytest.fixture
 def holding():
     """hold_signal as this process's handler of the stop signals, as the trainer has it; put back afterwards."""
