@@ -25,20 +25,85 @@ from __future__ import annotations
 import signal
 import sys
 
-# Slurm's --signal=USR1@seconds (and scancel's SIGTERM) can arrive while torch imports, the data loads or the tasks
-# meet: SIGUSR1's default action kills the process (exit 138) and the job is not requeued. Both are held from the
-# first lines, before torch is imported; StopRequest acts on them at the first step (checkpoint, exit 75). Only where
-# a trainer is the program (bench_stage.py sets HOLD_STOP_SIGNALS before importing this file): importers keep theirs.
-PENDING_SIGNALS: list[str] = []
+# The stop signals: SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit), SIGTERM (scancel, preemption, the
+# time limit itself) and SIGINT (Ctrl-C) each mean "finish the step, checkpoint, exit 75" (StopRequest). They can come
+# while torch imports, the data loads or the tasks meet, where their default actions kill the process (exit 138, 143,
+# or a KeyboardInterrupt traceback) and the job is not requeued: so they are held from here, the first statements,
+# before anything else is imported. What runs before this line (the interpreter's start and the compilation of this
+# file: 10-20 and 33-60 ms measured) is out of reach of any Python program; a launcher that blocks them then has them
+# delivered here, held (the unblock below). Only where a trainer is the program (bench_stage.py holds them from its
+# own first lines, into its PENDING_SIGNALS, and sets HOLD_STOP_SIGNALS): importers keep their handlers.
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+PENDING_SIGNALS: list[str] = getattr(sys.modules.get("__main__"), "PENDING_SIGNALS", [])  # the names, in order
+# Ctrl-C a second time (hold_signal): "saving", the saves under way (interrupts_held); "ending", the stop agreed or
+# main() returned, nothing left to cut short; "deferred", a second Ctrl-C that waits for a save's end or the next step
+CTRL_C = {"saving": 0, "ending": False, "deferred": False}
 
 
 def hold_signal(signum: int, frame: object) -> None:
-    PENDING_SIGNALS.append(signal.Signals(signum).name)
+    """Note a stop signal: StopRequest acts on it at the next step. Ctrl-C a second time stops at once (cli() says
+    so in one line), but never inside a save: torch.save turns an exception raised in its writer into a RuntimeError
+    about the zip file, which the save's error path took for a full disk, and training went on. Nor inside a
+    __del__ (Python prints "Exception ignored in ..." with a traceback, and drops the interrupt): it waits for the
+    next step there."""
+    name = signal.Signals(signum).name
+    again = name == "SIGINT" and "SIGINT" in PENDING_SIGNALS
+    PENDING_SIGNALS.append(name)
+    if name == "SIGINT" and not again and is_rank0():
+        import os  # loaded by the interpreter already; os.write, not print: this may interrupt a print
+        os.write(2, b"Ctrl-C: stopping after this step, with a checkpoint where --save is given (exit 75); "
+                    b"Ctrl-C again stops at once\n")
+    if again:
+        if CTRL_C["saving"] or CTRL_C["ending"] or in_finalizer(frame):
+            CTRL_C["deferred"] = True
+        else:
+            raise KeyboardInterrupt
+
+
+def in_finalizer(frame: object) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def is_rank0() -> bool:
+    """This task is rank 0, from the launcher's variables (idr_torch is not imported yet where this is needed)."""
+    import os
+    return (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", "")
+
+
+def hold_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored stays ignored (Ctrl-C in a background job)
+            signal.signal(sig, hold_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 if __name__ == "__main__" or getattr(sys.modules.get("__main__"), "HOLD_STOP_SIGNALS", False):
-    for _sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(_sig, hold_signal)
+    hold_stop_signals()
+
+
+def interrupts_held(save: Callable) -> Callable:
+    """A save decorated with this is not cut by a second Ctrl-C: the interrupt is raised when the save ends."""
+    @functools.wraps(save)
+    def held(*args: object, **kwargs: object) -> object:
+        CTRL_C["saving"] += 1
+        try:
+            return save(*args, **kwargs)
+        finally:
+            CTRL_C["saving"] -= 1
+            interrupt_if_deferred()
+    return held
+
+
+def interrupt_if_deferred() -> None:
+    """Raise the second Ctrl-C that waited (for a save's end, or out of a __del__), unless the run is ending."""
+    if CTRL_C["deferred"] and not CTRL_C["saving"] and not CTRL_C["ending"]:
+        CTRL_C["deferred"] = False
+        raise KeyboardInterrupt
+
 
 import argparse
 import atexit
@@ -46,6 +111,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import gc
 import hashlib
 import json
@@ -238,6 +304,28 @@ def init_distributed(timeout: float, cuda: bool) -> None:
     HOST_GROUP[:] = [dist.new_group(backend="gloo") if cuda else None]
 
 
+def flight_recorder_names(torch_version: str) -> tuple[str, str]:
+    """The names this torch release reads first for nccl's flight recorder: (its buffer size, its dump file). Set
+    under the other name, a release either ignores the value or prints "Environment variable ... is deprecated; use
+    ... instead" (WARN_ENV_VAR_ONCE in c10d/Utils.hpp: getCvarInt/getCvarString warn for any name of a list but the
+    first that is set; 2.11 printed it twice per task, once per FlightRecorder instance). The sources:
+      - 2.3.1, 2.4.1 (TraceUtils.h), 2.6.0 (FlightRecorder.hpp:103): getCvarInt({"TORCH_NCCL_TRACE_BUFFER_SIZE"}, 0)
+        and getCvarString({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}, "/tmp/nccl_trace_rank_"); no TORCH_FR_ name in their
+        libtorch_cuda.so. 2.5 and 2.7 lie between: pytorch#152563, which added the TORCH_FR_ names ("Make FR vendor
+        neutral"), was merged on 2025-05-07, after 2.7.0.
+      - 2.8.0 (FlightRecorder.hpp:100), 2.13.0 and 2.14.1 (FlightRecorder.hpp:111): getCvarInt({"TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 0 in 2.8, 2000 later), and FlightRecorder.cpp's getCvarString(
+        {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}, ...) (both names in 2.8.0's and 2.14.1's
+        libtorch_cpu.so); 2.11.0 on the H200 printed the deprecation for TORCH_NCCL_TRACE_BUFFER_SIZE.
+    ProcessGroupNCCL itself still reads TORCH_NCCL_TRACE_BUFFER_SIZE alone (its traceBufferSize_, which gates the
+    dump, default 2000 from 2.8: the default FlightRecorder's was brought up to by pytorch#172843), and
+    TORCH_NCCL_DUMP_ON_TIMEOUT has that one name in every release (ProcessGroupNCCL.hpp)."""
+    major, minor = (int(x) for x in re.findall(r"\d+", torch_version)[:2])
+    if (major, minor) >= (2, 8):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
 def nccl_environment() -> str:
     """What a hang and an error leave to read, set before the first nccl group (each release reads these once, in
     ProcessGroupNCCL's constructor); a value the user exported wins. Names and defaults from each release's
@@ -249,13 +337,12 @@ def nccl_environment() -> str:
       - TORCH_NCCL_BLOCKING_WAIT: not set. It makes every wait() block the CPU until the collective ends (the
         timeout then raises in Python), so the CPU stops queuing work ahead of DDP's all-reduces; the watchdog
         above times out the same collectives without that cost.
-      - Flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE (TORCH_FR_BUFFER_SIZE first from 2.8) = 2000 last
-        collectives per task (the default is 0, off, in the older sources, 2000 in the newer);
-        TORCH_NCCL_DUMP_ON_TIMEOUT=1 (off by default in 2.3) writes them when the watchdog fires, to
-        TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (TORCH_FR_DUMP_TEMP_FILE first from 2.8), by default
-        /tmp/nccl_trace_rank_<rank>: a compute node's /tmp, gone with the job, so here the job's folder:
-        nccl_trace_<job>/rank_<rank>. Read it with `torchfrtrace nccl_trace_<job>` (2.6 on) or pickle.load
-        (docs/gpu.md).
+      - Flight recorder, under the names this release reads first (flight_recorder_names): its buffer size = 2000
+        last collectives per task (the default is 0, off, in the older sources, 2000 in the newer);
+        TORCH_NCCL_DUMP_ON_TIMEOUT=1 (off by default in 2.3) writes them when the watchdog fires, to its dump
+        file + <rank>, by default /tmp/nccl_trace_rank_<rank> (~/.cache/torch/comm_lib_trace_rank_ later): a
+        compute node's disk, gone with the job, so here the job's folder: nccl_trace_<job>/rank_<rank>. Read it
+        with `torchfrtrace nccl_trace_<job>` (2.6 on) or pickle.load (docs/gpu.md).
       - NCCL_DEBUG=WARN: nccl prints its own errors (e.g. "Duplicate GPU detected : rank 0 and rank 1 both on CUDA
         device ...", a network failure) on stderr, not only an error code."""
     env, said = os.environ, []
@@ -267,20 +354,35 @@ def nccl_environment() -> str:
     if mode in ("0", "2"):
         said.append("warning: with async error handling 0 or 2 a collective whose peer died blocks until the time "
                     "limit; unset it (the default, 3, ends the task after --timeout)")
-    if not (env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
-        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    size_name, file_name = flight_recorder_names(torch.__version__)
+    size = read_first(env, size_name, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE") or "2000"
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    if not (env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
+    trace = read_first(env, file_name, "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if trace is None:
         folder = Path(f"nccl_trace_{idr_torch.current().job_id or os.getpid()}").resolve()
         with contextlib.suppress(OSError):
             folder.mkdir(exist_ok=True)
             atexit.register(_remove_if_empty, folder)  # a run that ends normally leaves no empty folder behind
-        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{folder}/rank_"
+        trace = env[file_name] = f"{folder}/rank_"
+    env.setdefault(size_name, size)
     env.setdefault("NCCL_DEBUG", "WARN")
-    trace = env.get("TORCH_FR_DUMP_TEMP_FILE") or env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
-    return ", ".join(said + [f"on a timeout each task writes its last "
-                             f"{env.get('TORCH_FR_BUFFER_SIZE') or env['TORCH_NCCL_TRACE_BUFFER_SIZE']} "
-                             f"collectives to {trace}<rank> (flight recorder) and its Python stacks to stderr"])
+    return ", ".join(said + [f"on a timeout each task writes its last {size} collectives to {trace}<rank> (flight "
+                             "recorder) and its Python stacks to stderr"])
+
+
+def read_first(env: dict[str, str], name: str, *names: str) -> str | None:
+    """The user's value: under `name` (the one this release reads first), else under another of `names`, then
+    copied to `name` only where this release does not read that other one (an older release and a TORCH_FR_ name:
+    ignored there). A value under the older name on a newer release is left as it is, with torch's warning: the
+    user's choice."""
+    if env.get(name, "").strip():
+        return env[name]
+    for other in names:
+        if other != name and env.get(other, "").strip():
+            if other.startswith("TORCH_FR_"):
+                env[name] = env[other]
+            return env[other]
+    return None
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -1088,8 +1190,48 @@ def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, replicas: int, ran
     sampler = torch.utils.data.DistributedSampler(BatchTensors(x, y), num_replicas=replicas, rank=rank,
                                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
     batches = torch.utils.data.BatchSampler(sampler, batch, drop_last=drop_last)
-    return torch.utils.data.DataLoader(BatchTensors(x, y), sampler=batches, batch_size=None, num_workers=workers,
-                                       pin_memory=pin, persistent_workers=workers > 0)
+    return Loader(BatchTensors(x, y), sampler=batches, batch_size=None, num_workers=workers, pin_memory=pin,
+                  persistent_workers=workers > 0, worker_init_fn=functools.partial(worker_keeps_on, os.getpid()))
+
+
+class Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose workers live through the job's stop signals, which their trainer acts on (StopRequest).
+    Slurm signals every process of a step (scancel, preemption, the time limit), a terminal's Ctrl-C its whole
+    foreground group. torch's worker loop (torch/utils/data/_utils/worker.py, _worker_loop) installs DataLoader.cpp's
+    handler_SIGTERM: exit 0 if the sender is the worker's parent, else die by SIGTERM, and the trainer fails on
+    "DataLoader worker (pid ...) is killed by signal: Terminated"; SIGINT's KeyboardInterrupt ends the loop
+    quietly, the trainer waiting for a worker that is gone. The workers are forked in __iter__ (the first one, they
+    persist): with the stop signals blocked, so that none reaches a worker before worker_keeps_on has run, and no
+    thread of a worker (torch starts some before it) ever takes SIGTERM with torch's handler."""
+
+    def __iter__(self) -> object:
+        if not self.num_workers:
+            return super().__iter__()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a signal meanwhile is held, not lost
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def worker_keeps_on(trainer: int, worker_id: int) -> None:
+    """worker_init_fn (Loader): SIGINT and SIGUSR1 ignored; SIGTERM, blocked in every thread, taken by one thread
+    that keeps torch's rule for the trainer's own SIGTERM alone: DataLoader's _shutdown_workers and
+    multiprocessing's exit handler end a worker with terminate() and then wait for it (ignored, the trainer's exit
+    would hang). A worker also ends within 5 s when its trainer dies (the loop's ManagerWatchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if hasattr(signal, "sigwaitinfo"):
+        threading.Thread(target=end_on_sigterm_from, args=(trainer,), name="sigterm", daemon=True).start()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
+    else:  # macOS has no sigwaitinfo: SIGTERM as torch's handler takes it (a laptop has no Slurm to send it)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def end_on_sigterm_from(trainer: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == trainer:
+            os._exit(0)  # as torch's handler_SIGTERM does for its parent's
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1328,6 +1470,7 @@ def atomic_torch_save(obj: object, path: Path) -> None:
     sync_folder(path.parent)
 
 
+@interrupts_held  # a second Ctrl-C waits for the pair to be whole (hold_signal)
 def save_checkpoint(path: str, model_state: dict, resume: dict) -> None:
     """The pair, replaced as a pair (see above): both files written whole, the companion staged, the model file
     committed, the companion moved into place. A failure before the commit removes what it wrote and leaves the
@@ -1636,26 +1779,29 @@ class SaveLock:
 
 
 class StopRequest:
-    """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit) or SIGTERM (scancel, preemption): finish
-    the current step, checkpoint, exit 75. Every rank must stop at the same step, or DDP would wait for the
-    missing ones forever: the flags are OR-ed across ranks after every step, on the CPU (gloo), so the GPU
-    stream is never synchronised for it."""
+    """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit), SIGTERM (scancel, preemption) or SIGINT
+    (Ctrl-C), held by hold_signal since start-up: finish the current step, checkpoint, exit 75. Every rank must stop
+    at the same step, or DDP would wait for the missing ones forever: the flags are OR-ed across ranks after every
+    step, on the CPU (gloo), so the GPU stream is never synchronised for it."""
     EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the templates requeue on it
 
     def __init__(self) -> None:
-        self.signal: str | None = PENDING_SIGNALS[-1] if PENDING_SIGNALS else None  # held since start-up
         self.flag = torch.zeros(1)
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+        if threading.current_thread() is threading.main_thread():  # the program holds them already; an importer not
+            hold_stop_signals()
 
-    def _handler(self, signum: int, frame: object) -> None:
-        self.signal = signal.Signals(signum).name
+    @property
+    def signal(self) -> str | None:
+        """The first stop signal this task received (the reason), or None."""
+        return PENDING_SIGNALS[0] if PENDING_SIGNALS else None
 
     def agreed(self, world: int) -> bool:
-        self.flag[0] = 1.0 if self.signal else 0.0
+        interrupt_if_deferred()
+        self.flag[0] = 1.0 if PENDING_SIGNALS else 0.0
         if world > 1:
             dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=HOST_GROUP[0])
-        return bool(self.flag[0] > 0)
+        CTRL_C["ending"] = stop = bool(self.flag[0] > 0)  # the stop's checkpoint next: Ctrl-C again does not cut it
+        return stop
 
 
 def reduce_max(values: list[float], device: str, world: int) -> list[float]:
@@ -2110,13 +2256,20 @@ def cli(main: Callable[[], int], prog: str) -> None:
     own error (TaskError, LaunchError) by that task; Quiet ones exit 1 without a line."""
     PROG[0] = prog
     try:
-        sys.exit(main())
+        code = main()
+        CTRL_C["ending"] = True  # what is left is the interpreter's exit: a Ctrl-C there would only add a traceback
+        sys.exit(code)
     except check_topology.ArgumentError as exc:  # the line itself: argparse's usage-error status
         if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", ""):
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Quiet:
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C twice (hold_signal): at once, one line, the shell's status for SIGINT
+        if is_rank0():
+            print(f"{prog}: interrupted (Ctrl-C twice): stopped at once, without a checkpoint of this point; "
+                  "--resume goes on from the last one --save wrote", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (RunError, idr_torch.LaunchError) as exc:
         value = (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip()
         rank = int(value) if value.isdigit() else 0  # a malformed one is the LaunchError being reported
