@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -276,6 +277,8 @@ def bare_worker(conf: dict) -> int:
     plan = check_topology.plan_task(conf["rank"], 0, conf["rank"], conf["tasks"], visible, None, cfg.nlayers,
                                     conf["nb_part"], None, devices)
     bench.use_gpus(plan)
+    # the intra-op threads the trainer's task of this rank takes (its cores, or the node's split between the tasks)
+    torch.set_num_threads(bench.cpu_threads(types.SimpleNamespace(local_world_size=conf["tasks"])))
     torch.manual_seed(cfg.seed)
     parts = bench.build_module_list(cfg, plan)
     where = [plan.device(i) for i in range(plan.nb_part)]

@@ -18,15 +18,16 @@ torch's sources (check_topology I.4): this is where they are checked.
 
 Each configuration runs in a process of its own (this script again, --child), its measured steps before any
 tracker. In one process, as before, the figures were wrong: torch's MemTracker keeps the model's parameters and
-their gradients alive after its step (torch 2.13 on the CPU: 25 of 29 parameters survive the trainer's close() and
-gc.collect(); tests/test_memory.py), so every later configuration's max_memory_allocated carried the earlier ones'
-weights and gradients (the H200 of 2026-12-04: 1.33, 1.23 and 1.97 of the estimate, 1.00 with nothing before it),
-and without an empty_cache() max_memory_reserved showed the first configuration's cache in every row. In a fresh
-process the caching allocator starts empty: empty_cache(), then memory_allocated() and memory_reserved() are read
-before the model is built; the peak is counted from that baseline (a note says when it is not 0), and the reserved
-memory is compared only where the cache was empty. torch's caching allocator counts per process
-(torch.cuda.max_memory_allocated reads this process's allocator), so --jobs N measures N configurations at once
-without changing a figure, as long as their peaks fit on the GPU together.
+their gradients alive after its step (torch 2.13 on the CPU: all but 4 of the model's parameters survive the
+trainer's close() and gc.collect(), 49 of 53 at the CPU defaults; tests/test_memory_gpu.py), so every later
+configuration's max_memory_allocated carried the earlier ones' weights and gradients (the H200 of 2026-12-04: 1.33,
+1.23 and 1.97 of the estimate, 1.00 with nothing before it), and without an empty_cache() max_memory_reserved showed
+the first configuration's cache in every row. In a fresh process the caching allocator starts empty: empty_cache(),
+then memory_allocated() and memory_reserved() are read before the model is built; the peak is counted from that
+baseline (a note says when it is not 0), and the reserved memory is compared only where the cache was empty.
+torch's caching allocator counts per process (torch.cuda.max_memory_allocated reads this process's allocator), so
+--jobs N measures N configurations at once without changing a figure, as long as their peaks fit on the GPU
+together.
 """
 from __future__ import annotations
 
@@ -202,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     print("| precision | ckpt | part | estimated peak GiB | max_memory_allocated GiB | allocated / estimated | "
           "estimate with allowance GiB | max_memory_reserved GiB | reserved / with allowance | peak at (estimate) |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |", flush=True)
-    threads = max(1, len(os.sched_getaffinity(0)) // args.jobs)
-    confs = [dict(precision=p, ckpt=c, nb_part=args.nb_part, cpu=args.cpu, dropout=args.dropout, threads=threads)
+    confs = [dict(precision=p, ckpt=c, nb_part=args.nb_part, cpu=args.cpu, dropout=args.dropout)
              for p in ("fp32", low) for c in (False, True)]
-    worst, per_term, notes, failed = 0.0, [], [], 0
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    jobs, notes = jobs_that_fit(args, model, arch, shared, confs)
+    for conf in confs:
+        conf["threads"] = max(1, len(os.sched_getaffinity(0)) // jobs)
+    worst, per_term, failed = 0.0, [], 0
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
         for conf, got in zip(confs, pool.map(lambda c: run_configuration(c, args.timeout), confs)):
             if "failed" in got:
                 failed += 1
@@ -226,6 +229,25 @@ def main(argv: list[str] | None = None) -> int:
               "| --- | --- | --- | ---: | ---: | ---: | ---: |")
         print("\n".join(per_term))
     return 1 if failed else 0
+
+
+def jobs_that_fit(args: argparse.Namespace, model: dict, arch: str, shared: bool,
+                  confs: list[dict]) -> tuple[int, list[str]]:
+    """--jobs, or fewer where that many of the largest configuration (its estimate with allowance, per GPU) would
+    not fit in 90 % of the GPU's memory together (a V100's 32 GB holds one at the GPU defaults, an H200 four)."""
+    if args.cpu or args.jobs == 1:
+        return args.jobs, []
+    need = 0
+    for conf in confs:
+        t = check_topology.Training(precision=conf["precision"], activation_checkpointing=conf["ckpt"])
+        est = check_topology.estimate_memory(model, t, args.nb_part, 1, arch)
+        need = max(need, check_topology.shared_gpu_memory(est, [0] * args.nb_part)[2] if shared
+                   else max(m.total for m in est))
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    jobs = max(1, min(args.jobs, int(0.9 * gpu // need)))
+    return jobs, [] if jobs == args.jobs else [
+        f"note: --jobs {args.jobs}: {jobs} at once, as {jobs} of the largest configuration ({need / GIB:.1f} GiB with "
+        f"its allowance) fit in 90 % of the GPU's {gpu / GIB:.1f} GiB"]
 
 
 def rows(model: dict, conf: dict, got: dict, arch: str, shared: bool, notes: list[str]) -> list[float]:
