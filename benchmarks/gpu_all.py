@@ -5,7 +5,7 @@
     python benchmarks/gpu_all.py --out report/gpu      # the same, by hand
     python benchmarks/gpu_all.py --only train,gpu_check
 
-On one GPU, in at most 8 minutes (the H200 of 2026-12-04; --budget, 470 s, leaves make and the report their
+On one GPU, in at most 8 minutes (the H200 of 2026-12-04; --budget, 470 s from this script's start, leaves make its
 seconds), the steps in this order, each under its own time cap (a step still running then gets SIGTERM, then
 SIGKILL 10 s later, with every process it started), the caps cut to what the budget has left and a step skipped
 when too little is left:
@@ -49,6 +49,7 @@ TRAIN_STEPS = 120  # 4000 reviews at 64 a step: 62 steps an epoch, the second ep
 MEMORY_TARGET = 0.10  # docs/memory.md: every part within 10 % of the measured peak
 PACKAGES = {"fairscale": "fairscale", "hostlist": "python-hostlist", "psutil": "psutil"}  # module: distribution
 GRACE = 10  # seconds between SIGTERM and SIGKILL at a step's cap
+STEPS = ("train", "gpu_check", "memory_gpu", "profile", "advise", "memory_gpu_2p")  # steps()'s, in its order
 
 
 @dataclasses.dataclass
@@ -59,6 +60,7 @@ class Step:
     what: str
     judge: Callable[["Step", Path, int | None, str], tuple[bool, str, list[str]]]
     expect: int = 0  # seconds it should take on an H200 (2026-12-04's timings): the budget's arithmetic
+    writes: tuple[str, ...] = ()  # files of OUT it appends to: removed before it runs (this run's lines only)
 
 
 @dataclasses.dataclass
@@ -148,19 +150,21 @@ def steps(py: str, out: Path, gpus: int, gib: float) -> list[Step]:
         # 12 s start + 120 x 0.51 s + two evaluations of 1000 reviews
         Step("train", 110, [py, "bench_ddp_transformer.py", "--synthetic", "4000", "--max-steps", str(TRAIN_STEPS),
                             "--json-out", str(out / "train.jsonl")],
-             f"the GPU defaults learn: {TRAIN_STEPS} steps on 4000 synthetic reviews", judge_train, 80),
+             f"the GPU defaults learn: {TRAIN_STEPS} steps on 4000 synthetic reviews", judge_train, 80,
+             ("train.jsonl",)),
         # 12 script runs (11-14 s start, 11 steps, a short evaluation each), 2 bare loop processes kept for their
         # rows (8 s start, 11 steps a window)
         Step("gpu_check", 310, [py, "benchmarks/gpu_check.py", "--repeats", "3", "--json-out",
                                 str(out / "gpu_check.jsonl")],
-             "script / bare loop, nb_part 1 and 2, bf16 and fp32, 3 interleaved runs each", judge_gpu_check, 275),
+             "script / bare loop, nb_part 1 and 2, bf16 and fp32, 3 interleaved runs each", judge_gpu_check, 275,
+             ("gpu_check.jsonl",)),
         # 4 configurations at once, each: start, 3 steps, then 3 more, the last under MemTracker (62 s one after the
         # other in one process)
         Step("memory_gpu", 60, [py, "benchmarks/memory_gpu.py", "--jobs", "4"],
              "the memory estimate against max_memory_allocated, a fresh process per configuration", judge_memory, 30),
         # 53 s with 5 repeats
         Step("profile", 70, [py, "benchmarks/speed_profile.py", "--repeats", "3", "--out", str(out / "profile.json")],
-             "the speed profile of this GPU", judge_profile, 45),
+             "the speed profile of this GPU", judge_profile, 45, ("profile.json",)),
         Step("advise", 20, [py, "check_topology.py", "--advise", "--profile", str(out / "profile.json"), "--nodes",
                             "1", "--gpus-per-node", str(gpus), "--gpu-mem", f"{gib:.0f}", "--global-batch", "256"],
              "this machine's splits ranked by the profile", judge_advise, 3),
@@ -204,20 +208,24 @@ def run_step(argv: list[str], cap: float, log: Path, env: dict[str, str]) -> tup
 
 def run_all(todo: list[Step], out: Path, budget: float, env: dict[str, str], report: Callable[[list[Outcome]], None],
             start: float | None = None) -> list[Outcome]:
-    """Each step under min(its cap, what the budget has left); skipped when less than min(cap, 20 s) is left."""
+    """Each step under min(its cap, what the budget has left less GRACE, so that a step stopped at its cap is gone
+    within the budget); skipped when that is less than min(cap, 20 s)."""
     start = time.monotonic() if start is None else start
     done: list[Outcome] = []
     for step in todo:
-        left = budget - (time.monotonic() - start)
+        room = budget - (time.monotonic() - start) - GRACE
         o = Outcome(step)
-        if left < min(step.cap, 20):
-            o.skipped, o.result = f"{left:.0f} s of the budget left", "skipped: the budget is spent"
+        if room < min(step.cap, 20):
+            o.skipped, o.result = f"{room + GRACE:.0f} s of the budget left", "skipped: the budget is spent"
         else:
-            o.rc, o.seconds, o.timed_out = run_step(step.argv, min(step.cap, left), out / f"{step.name}.txt", env)
+            cap = min(step.cap, room)
+            for name in step.writes:
+                (out / name).unlink(missing_ok=True)
+            o.rc, o.seconds, o.timed_out = run_step(step.argv, cap, out / f"{step.name}.txt", env)
             log = (out / f"{step.name}.txt").read_text(errors="replace")
             o.passed, o.result, o.details = step.judge(step, out, o.rc, log)
             if o.timed_out:
-                o.passed, o.result = False, f"cut at its cap ({min(step.cap, left):.0f} s); " + o.result
+                o.passed, o.result = False, f"cut at its cap ({cap:.0f} s); " + o.result
         done.append(o)
         report(done)
     return done
@@ -296,38 +304,32 @@ def git_commit() -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="report/gpu", help="the report's folder (default report/gpu)")
-    p.add_argument("--budget", type=float, default=470, help="seconds for all the steps (default 470: 8 minutes "
-                   "with make's and the report's)")
+    p.add_argument("--budget", type=float, default=470, help="seconds for everything from this script's start "
+                   "(default 470: within 8 minutes with make's)")
     p.add_argument("--wheels", default=".whl", help="wheels to install where this python lacks a package (default "
                    ".whl, what `make gpu-wheels` fills)")
-    p.add_argument("--only", help="comma-separated steps to run: train, gpu_check, memory_gpu, profile, advise, "
-                   "memory_gpu_2p (default: all)")
+    p.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps to run (default: all of "
+                   f"{','.join(STEPS)})")
     args = p.parse_args(argv)
     if args.budget < 1:
         p.error(f"--budget {args.budget:g} must be at least 1 second")
+    args.only = args.only.split(",")
+    unknown = [n for n in args.only if n not in STEPS]
+    if unknown:
+        p.error(f"--only: no step {unknown[0]}; the steps: {','.join(STEPS)}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()  # the budget counts from here: torch's import and the wheels too
     args = parse(argv)
     why, info = machine()
     if why:
         print(f"gpu_all: error: {why}", file=sys.stderr)
         return 2
-    start = time.monotonic()
-    out = (ROOT / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.txt"), *out.glob("*.jsonl"), out / "profile.json"]:
-        old.unlink(missing_ok=True)  # one run's files only: gpu_check and the trainer append to theirs
-    todo = steps(sys.executable, out, info["gpus"], info["gib"])
-    if args.only:
-        names = args.only.split(",")
-        unknown = [n for n in names if n not in {s.name for s in todo}]
-        if unknown:
-            print(f"gpu_all: error: --only {args.only}: no step {unknown[0]}; the steps: "
-                  + ", ".join(s.name for s in todo), file=sys.stderr)
-            return 2
-        todo = [s for s in todo if s.name in names]
+    todo = [s for s in steps(sys.executable, out, info["gpus"], info["gib"]) if s.name in args.only]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = [f"# GPU check: {info['gpu']} x {info['gpus']}, torch {info['torch']} (CUDA {info['cuda']}, nccl "
               f"{info['nccl']}), {when}", "",
@@ -335,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.cpu_count()} CPUs, python {sys.executable}."]
     site = Path(tempfile.mkdtemp(prefix="kit-gpu-site-"))
     try:
-        extra, why = bring_packages(ROOT / args.wheels if not Path(args.wheels).is_absolute() else
-                                    Path(args.wheels), site)
+        extra, why = bring_packages(Path(args.wheels).resolve(), site)
         if why:
             write_report(out / "REPORT.md", header + ["", f"**Not run:** {why}"], [], [])
             print(f"gpu_all: error: {why}", file=sys.stderr)
