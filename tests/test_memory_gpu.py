@@ -105,3 +105,24 @@ def test_configurations_side_by_side_only_as_many_as_fit(monkeypatch, gib, jobs)
                                           "sm80", False, confs)
     assert got == jobs and len(notes) == (jobs < 4)
     assert not notes or notes[0].startswith(f"note: --jobs 4: {jobs} at once, as {jobs} of the largest configuration")
+
+
+def test_a_baseline_that_is_not_zero_is_said_and_reserved_memory_compared_only_from_an_empty_cache(capsys):
+    """The GPU's rows from a child's figures (made up here): the peak counted from memory_allocated() before the
+    model, a note where that was not 0; max_memory_reserved compared only where the cache was empty before it."""
+    import memory_gpu
+    gib = 2**30
+    model, conf = memory_gpu.model_of(False, None), dict(precision="fp32", ckpt=False, nb_part=1)
+    clean = dict(allocated=[int(22.26 * gib)], reserved=[int(22.51 * gib)], before_allocated=[0],
+                 before_reserved=[0])
+    notes: list[str] = []
+    worst = memory_gpu.rows(model, conf, clean, "sm80", False, notes)
+    row = capsys.readouterr().out.strip()
+    assert notes == [] and row.startswith("| fp32 | no | 0 | 22.17 | 22.26 | 1.004 | 25.38 | 22.51 | 0.887 |")
+    assert worst == [pytest.approx(0.004, abs=0.001)]
+    dirty = dict(clean, before_allocated=[int(1.76 * gib)], before_reserved=[int(2.0 * gib)])
+    memory_gpu.rows(model, conf, dirty, "sm80", False, notes)
+    row = capsys.readouterr().out.strip()
+    assert row.startswith("| fp32 | no | 0 | 22.17 | 22.26 | 1.004 | 25.38 | - | - |"), row
+    assert len(notes) == 2 and "1.76 GiB allocated before the model was built" in notes[0]
+    assert "the cache held 2.00 GiB before the model was built: max_memory_reserved not compared" in notes[1]
