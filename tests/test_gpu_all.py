@@ -72,7 +72,7 @@ def test_each_step_is_capped_with_what_it_started_and_the_report_says_so(tmp_pat
         time.sleep(300)
     """)
     late = probe("late", "print('never')")
-    ok.cap, fails.cap, hangs.cap, late.cap = 20, 20, 15, 20
+    ok.cap, fails.cap, hangs.cap, late.cap = 8, 8, 8, 20
     todo = [ok, fails, hangs, late]
     reports = []
 
@@ -80,8 +80,8 @@ def test_each_step_is_capped_with_what_it_started_and_the_report_says_so(tmp_pat
         gpu_all.write_report(tmp_path / "REPORT.md", ["# probe"], done, todo)
         reports.append((tmp_path / "REPORT.md").read_text())
     t0 = time.monotonic()
-    # 35 s: 25 s of room (the budget less the 10 s grace) for the first three, then under 20 s: the last is skipped
-    done = gpu_all.run_all(todo, tmp_path, budget=35, env=clean_env(), report=report, start=t0)
+    # 25 s: 15 s of room (the budget less the 10 s grace) for the first three, then under 20 s: the last is skipped
+    done = gpu_all.run_all(todo, tmp_path, budget=25, env=clean_env(), report=report, start=t0)
     assert [o.rc for o in done[:2]] == [0, 1] and done[0].passed and not done[1].passed
     assert done[2].timed_out and not done[2].passed and done[2].result.startswith("cut at its cap")
     assert done[3].rc is None and done[3].result == "skipped: the budget is spent"
