@@ -132,7 +132,7 @@ import zlib
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
     import check_topology
@@ -1990,6 +1990,25 @@ def lr_at(cfg: argparse.Namespace, step: int, total: int) -> float:
     return cfg.lr * (LR_FLOOR + (1.0 - LR_FLOOR) * factor)
 
 
+# benchmarks/gpu_check.py sets KIT_SYNC_DEBUG=error for the script's tasks: a host sync in a timed step (a blocking
+# copy between host and GPU, a stream synchronize, .item()) then raises where it happens, instead of costing the
+# host-bound bf16 step its time unseen (torch.cuda.set_sync_debug_mode; c10/cuda/CUDAFunctions.h says what counts).
+SYNC_DEBUG = os.environ.get("KIT_SYNC_DEBUG", "").strip()
+
+
+@contextlib.contextmanager
+def sync_debug(timed: bool) -> Iterator[None]:
+    """torch's sync debug mode around one timed step, where KIT_SYNC_DEBUG asks for it on a GPU; else nothing."""
+    if not (timed and SYNC_DEBUG and torch.cuda.is_available()):
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(SYNC_DEBUG)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.data.DataLoader, epoch: int,
                 skip: int, step: int, stop: StopRequest, world: int, total: int) -> Epoch:
     """One epoch from batch `skip` on (resumed inside this epoch: same sampler order, those are done); `total`:
@@ -2007,11 +2026,12 @@ def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.d
             trainer.synchronize()
             ep.t_timed = time.time()
         ep.lr = lr_at(cfg, ep.step, total)
-        trainer.set_lr(ep.lr)
-        stats = trainer.train_step(x, y)
-        ep.stats += stats  # stays on the device: no .item() (a host sync) in the loop
-        ep.step += 1
-        ep.first_bad = torch.where(ep.first_bad.eq(0) & ~torch.isfinite(stats[0]), ep.step, ep.first_bad)
+        with sync_debug(ep.t_timed is not None):
+            trainer.set_lr(ep.lr)
+            stats = trainer.train_step(x, y)
+            ep.stats += stats  # stays on the device: no .item() (a host sync) in the loop
+            ep.step += 1
+            ep.first_bad = torch.where(ep.first_bad.eq(0) & ~torch.isfinite(stats[0]), ep.step, ep.first_bad)
         ep.timed_steps += int(ep.t_timed is not None)
         if stop.agreed(world):
             break
