@@ -1860,7 +1860,8 @@ RESUME_RULES: dict[str, str] = {
     # ZeRO (the optimizer state is saved in plain AdamW's layout and loads either way), the stages per task (their
     # product, nb_part, is the layout), the length of the run, and what only times or watches it
     **dict.fromkeys(("dropout", "chunks", "batch_size", "precision", "activation_checkpointing", "zero", "engine",
-                     "devices", "pp", "schedule", "virtual_stages", "epochs", "max_steps", "warmup_steps", "lr",
+                     "devices", "pp", "schedule", "virtual_stages", "epochs", "max_steps", "untimed_steps", "lr",
+                     "lr_warmup", "lr_decay", "tf32",
                      "workers", "timeout", "log_every"), "applied"),
     # the data order: DistributedSampler shuffles epoch e with seed + e, and a resume continues that order at the
     # saved sample (another seed would train some samples twice and others never in the epoch in progress)
