@@ -11,13 +11,12 @@ import stat
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import ROOT, bench, clean_env
+from launch import ROOT, bench, clean_env, mounted_tmpfs
 from local_slurm import free_port
 
 import bench_ddp_transformer as b
@@ -171,20 +170,9 @@ def test_the_next_save_removes_only_its_own_leftovers(tmp_path):
 
 
 # ---- a full disk: the failed save is one line, the previous pair stays whole -----------------------------------------
-@contextmanager
 def small_disk(where: Path, size_kib: int):
-    """A tmpfs of `size_kib` KiB mounted at `where` (needs root: CI runs as root)."""
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(where)], capture_output=True,
-                       text=True)
-    if r.returncode:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs in CI: {r.stderr.strip()}")
-        pytest.skip(f"mounting a tmpfs needs root: {r.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+    """A tmpfs of `size_kib` KiB mounted at `where` (launch.mounted_tmpfs: root, as CI)."""
+    return mounted_tmpfs(where, f"size={size_kib}k")
 
 
 @pytest.mark.parametrize("fails_at", ["model file", "companion"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import ROOT, bench, clean_env, run_tasks, srun_envs
+from launch import ROOT, bench, clean_env, mounted_tmpfs, run_tasks, srun_envs
 from local_slurm import free_port
 from test_faults_checkpoint import SMALL, copy_of, one_epoch, one_error, small_disk  # noqa: F401 (a fixture)
 from test_train import write_imdb
@@ -200,15 +200,8 @@ def test_a_resume_applies_and_records_the_settings_it_can(tmp_path, one_epoch):
 def test_a_record_that_cannot_be_written_is_printed_and_the_run_fails(tmp_path):
     """The disk holds the checkpoint, then has no inode left for --json-out: the finished run says so in one line,
     exits 1, and prints its record on stdout (it was a traceback, and the record was lost)."""
-    where = tmp_path / "disk"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=4", "tmpfs", str(where)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs in CI: {r.stderr.strip()}")
-        pytest.skip(f"mounting a tmpfs needs root: {r.stderr.strip()}")
-    try:  # 3 inodes besides the root: the lock and the pair (the probes are removed before the lock is taken)
+    # 3 inodes besides the root: the lock and the pair (the probes are removed before the lock is taken)
+    with mounted_tmpfs(tmp_path / "disk", "size=8m,nr_inodes=4") as where:
         [run] = bench([*SMALL, "--epochs", "1", "--cache-dir", str(tmp_path), "--save", str(where / "ckpt.pt"),
                        "--json-out", str(where / "runs.jsonl")])
         line = one_error(run)
@@ -217,8 +210,6 @@ def test_a_record_that_cannot_be_written_is_printed_and_the_run_fails(tmp_path):
         [record] = [json.loads(x) for x in run.stdout.splitlines() if x.startswith('{"time"')]
         assert record["epochs"][0]["epoch"] == 1 and record["tasks"] == 1
         assert sorted(p.name for p in where.iterdir()) == ["ckpt.pt", "ckpt.pt.resume.pt"]
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def test_a_record_cut_by_a_full_disk_is_taken_back(tmp_path, capsys):
