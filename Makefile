@@ -54,13 +54,23 @@ speed: venv
 budget: venv lane-2.3.1
 	$(PY) benchmarks/budget.py $$( d=$(call lane_dir,2.3.1); [ -f $$d/.installed ] && echo --legacy $$d/bin/python )
 
-# The one-GPU check (benchmarks/gpu_check.py), then the memory estimate against max_memory_allocated
-# (benchmarks/memory_gpu.py), on a GPU node with the module's python: make gpu-check GPU_PYTHON=python
+# Everything a GPU machine should run, in at most 8 minutes on one GPU, with that machine's python: the default model
+# learning, the script against a bare loop (benchmarks/gpu_check.py), the memory estimate against the allocator
+# (benchmarks/memory_gpu.py), the speed profile and --advise on it (benchmarks/gpu_all.py). One report:
+# report/gpu/REPORT.md, the logs beside it. make gpu-check GPU_PYTHON=python3
+# Where that python lacks fairscale or python-hostlist: `make gpu-wheels` on a machine with the internet first, and
+# bring $(GPU_WHEELS)/ along (git ignores it); gpu-check installs them from there.
 GPU_PYTHON ?= $(PY)
+GPU_WHEELS ?= .whl
 gpu-check:
-	mkdir -p report
-	$(GPU_PYTHON) benchmarks/gpu_check.py --json-out report/gpu_check.jsonl; s=$$?; \
-	 $(GPU_PYTHON) benchmarks/memory_gpu.py || exit $$?; exit $$s
+	$(GPU_PYTHON) benchmarks/gpu_all.py --out report/gpu --wheels $(GPU_WHEELS)
+
+# Both are sources only on PyPI (pure Python): downloaded, then built into wheels, with any python that has pip.
+.PHONY: gpu-wheels
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS) && d=$$(mktemp -d) && \
+	 $(PYTHON) -m pip download -q --no-deps --no-binary :all: -d $$d fairscale==0.4.13 python-hostlist==2.3.0 && \
+	 $(PYTHON) -m pip wheel -q --no-deps -w $(GPU_WHEELS) $$d/*; s=$$?; rm -rf $$d; exit $$s
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt

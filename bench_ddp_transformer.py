@@ -25,20 +25,85 @@ from __future__ import annotations
 import signal
 import sys
 
-# Slurm's --signal=USR1@seconds (and scancel's SIGTERM) can arrive while torch imports, the data loads or the tasks
-# meet: SIGUSR1's default action kills the process (exit 138) and the job is not requeued. Both are held from the
-# first lines, before torch is imported; StopRequest acts on them at the first step (checkpoint, exit 75). Only where
-# a trainer is the program (bench_stage.py sets HOLD_STOP_SIGNALS before importing this file): importers keep theirs.
-PENDING_SIGNALS: list[str] = []
+# The stop signals: SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit), SIGTERM (scancel, preemption, the
+# time limit itself) and SIGINT (Ctrl-C) each mean "finish the step, checkpoint, exit 75" (StopRequest). They can come
+# while torch imports, the data loads or the tasks meet, where their default actions kill the process (exit 138, 143,
+# or a KeyboardInterrupt traceback) and the job is not requeued: so they are held from here, the first statements,
+# before anything else is imported. What runs before this line (the interpreter's start and the compilation of this
+# file: 10-20 and 33-60 ms measured) is out of reach of any Python program; a launcher that blocks them then has them
+# delivered here, held (the unblock below). Only where a trainer is the program (bench_stage.py holds them from its
+# own first lines, into its PENDING_SIGNALS, and sets HOLD_STOP_SIGNALS): importers keep their handlers.
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+PENDING_SIGNALS: list[str] = getattr(sys.modules.get("__main__"), "PENDING_SIGNALS", [])  # the names, in order
+# Ctrl-C a second time (hold_signal): "saving", the saves under way (interrupts_held); "ending", the stop agreed or
+# main() returned, nothing left to cut short; "deferred", a second Ctrl-C that waits for a save's end or the next step
+CTRL_C = {"saving": 0, "ending": False, "deferred": False}
 
 
 def hold_signal(signum: int, frame: object) -> None:
-    PENDING_SIGNALS.append(signal.Signals(signum).name)
+    """Note a stop signal: StopRequest acts on it at the next step. Ctrl-C a second time stops at once (cli() says
+    so in one line), but never inside a save: torch.save turns an exception raised in its writer into a RuntimeError
+    about the zip file, which the save's error path took for a full disk, and training went on. Nor inside a
+    __del__ (Python prints "Exception ignored in ..." with a traceback, and drops the interrupt): it waits for the
+    next step there."""
+    name = signal.Signals(signum).name
+    again = name == "SIGINT" and "SIGINT" in PENDING_SIGNALS
+    PENDING_SIGNALS.append(name)
+    if name == "SIGINT" and not again and is_rank0():
+        import os  # loaded by the interpreter already; os.write, not print: this may interrupt a print
+        os.write(2, b"Ctrl-C: stopping after this step, with a checkpoint where --save is given (exit 75); "
+                    b"Ctrl-C again stops at once\n")
+    if again:
+        if CTRL_C["saving"] or CTRL_C["ending"] or in_finalizer(frame):
+            CTRL_C["deferred"] = True
+        else:
+            raise KeyboardInterrupt
+
+
+def in_finalizer(frame: object) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def is_rank0() -> bool:
+    """This task is rank 0, from the launcher's variables (idr_torch is not imported yet where this is needed)."""
+    import os
+    return (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", "")
+
+
+def hold_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored stays ignored (Ctrl-C in a background job)
+            signal.signal(sig, hold_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 if __name__ == "__main__" or getattr(sys.modules.get("__main__"), "HOLD_STOP_SIGNALS", False):
-    for _sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(_sig, hold_signal)
+    hold_stop_signals()
+
+
+def interrupts_held(save: Callable) -> Callable:
+    """A save decorated with this is not cut by a second Ctrl-C: the interrupt is raised when the save ends."""
+    @functools.wraps(save)
+    def held(*args: object, **kwargs: object) -> object:
+        CTRL_C["saving"] += 1
+        try:
+            return save(*args, **kwargs)
+        finally:
+            CTRL_C["saving"] -= 1
+            interrupt_if_deferred()
+    return held
+
+
+def interrupt_if_deferred() -> None:
+    """Raise the second Ctrl-C that waited (for a save's end, or out of a __del__), unless the run is ending."""
+    if CTRL_C["deferred"] and not CTRL_C["saving"] and not CTRL_C["ending"]:
+        CTRL_C["deferred"] = False
+        raise KeyboardInterrupt
+
 
 import argparse
 import atexit
@@ -46,8 +111,11 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import gc
 import hashlib
+import io
+import itertools
 import json
 import math
 import os
@@ -61,12 +129,13 @@ import tarfile
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 import zlib
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
     import check_topology
@@ -238,6 +307,28 @@ def init_distributed(timeout: float, cuda: bool) -> None:
     HOST_GROUP[:] = [dist.new_group(backend="gloo") if cuda else None]
 
 
+def flight_recorder_names(torch_version: str) -> tuple[str, str]:
+    """The names this torch release reads first for nccl's flight recorder: (its buffer size, its dump file). Set
+    under the other name, a release either ignores the value or prints "Environment variable ... is deprecated; use
+    ... instead" (WARN_ENV_VAR_ONCE in c10d/Utils.hpp: getCvarInt/getCvarString warn for any name of a list but the
+    first that is set; 2.11 printed it twice per task, once per FlightRecorder instance). The sources:
+      - 2.3.1, 2.4.1 (TraceUtils.h), 2.6.0 (FlightRecorder.hpp:103): getCvarInt({"TORCH_NCCL_TRACE_BUFFER_SIZE"}, 0)
+        and getCvarString({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}, "/tmp/nccl_trace_rank_"); no TORCH_FR_ name in their
+        libtorch_cuda.so. 2.5 and 2.7 lie between: pytorch#152563, which added the TORCH_FR_ names ("Make FR vendor
+        neutral"), was merged on 2025-05-07, after 2.7.0.
+      - 2.8.0 (FlightRecorder.hpp:100), 2.13.0 and 2.14.1 (FlightRecorder.hpp:111): getCvarInt({"TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 0 in 2.8, 2000 later), and FlightRecorder.cpp's getCvarString(
+        {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}, ...) (both names in 2.8.0's and 2.14.1's
+        libtorch_cpu.so); 2.11.0 on the H200 printed the deprecation for TORCH_NCCL_TRACE_BUFFER_SIZE.
+    ProcessGroupNCCL itself still reads TORCH_NCCL_TRACE_BUFFER_SIZE alone (its traceBufferSize_, which gates the
+    dump, default 2000 from 2.8: the default FlightRecorder's was brought up to by pytorch#172843), and
+    TORCH_NCCL_DUMP_ON_TIMEOUT has that one name in every release (ProcessGroupNCCL.hpp)."""
+    major, minor = (int(x) for x in re.findall(r"\d+", torch_version)[:2])
+    if (major, minor) >= (2, 8):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
 def nccl_environment() -> str:
     """What a hang and an error leave to read, set before the first nccl group (each release reads these once, in
     ProcessGroupNCCL's constructor); a value the user exported wins. Names and defaults from each release's
@@ -249,13 +340,12 @@ def nccl_environment() -> str:
       - TORCH_NCCL_BLOCKING_WAIT: not set. It makes every wait() block the CPU until the collective ends (the
         timeout then raises in Python), so the CPU stops queuing work ahead of DDP's all-reduces; the watchdog
         above times out the same collectives without that cost.
-      - Flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE (TORCH_FR_BUFFER_SIZE first from 2.8) = 2000 last
-        collectives per task (the default is 0, off, in the older sources, 2000 in the newer);
-        TORCH_NCCL_DUMP_ON_TIMEOUT=1 (off by default in 2.3) writes them when the watchdog fires, to
-        TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (TORCH_FR_DUMP_TEMP_FILE first from 2.8), by default
-        /tmp/nccl_trace_rank_<rank>: a compute node's /tmp, gone with the job, so here the job's folder:
-        nccl_trace_<job>/rank_<rank>. Read it with `torchfrtrace nccl_trace_<job>` (2.6 on) or pickle.load
-        (docs/gpu.md).
+      - Flight recorder, under the names this release reads first (flight_recorder_names): its buffer size = 2000
+        last collectives per task (the default is 0, off, in the older sources, 2000 in the newer);
+        TORCH_NCCL_DUMP_ON_TIMEOUT=1 (off by default in 2.3) writes them when the watchdog fires, to its dump
+        file + <rank>, by default /tmp/nccl_trace_rank_<rank> (~/.cache/torch/comm_lib_trace_rank_ later): a
+        compute node's disk, gone with the job, so here the job's folder: nccl_trace_<job>/rank_<rank>. Read it
+        with `torchfrtrace nccl_trace_<job>` (2.6 on) or pickle.load (docs/gpu.md).
       - NCCL_DEBUG=WARN: nccl prints its own errors (e.g. "Duplicate GPU detected : rank 0 and rank 1 both on CUDA
         device ...", a network failure) on stderr, not only an error code."""
     env, said = os.environ, []
@@ -267,20 +357,35 @@ def nccl_environment() -> str:
     if mode in ("0", "2"):
         said.append("warning: with async error handling 0 or 2 a collective whose peer died blocks until the time "
                     "limit; unset it (the default, 3, ends the task after --timeout)")
-    if not (env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
-        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    size_name, file_name = flight_recorder_names(torch.__version__)
+    size = read_first(env, size_name, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE") or "2000"
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    if not (env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
+    trace = read_first(env, file_name, "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if trace is None:
         folder = Path(f"nccl_trace_{idr_torch.current().job_id or os.getpid()}").resolve()
         with contextlib.suppress(OSError):
             folder.mkdir(exist_ok=True)
             atexit.register(_remove_if_empty, folder)  # a run that ends normally leaves no empty folder behind
-        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{folder}/rank_"
+        trace = env[file_name] = f"{folder}/rank_"
+    env.setdefault(size_name, size)
     env.setdefault("NCCL_DEBUG", "WARN")
-    trace = env.get("TORCH_FR_DUMP_TEMP_FILE") or env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
-    return ", ".join(said + [f"on a timeout each task writes its last "
-                             f"{env.get('TORCH_FR_BUFFER_SIZE') or env['TORCH_NCCL_TRACE_BUFFER_SIZE']} "
-                             f"collectives to {trace}<rank> (flight recorder) and its Python stacks to stderr"])
+    return ", ".join(said + [f"on a timeout each task writes its last {size} collectives to {trace}<rank> (flight "
+                             "recorder) and its Python stacks to stderr"])
+
+
+def read_first(env: dict[str, str], name: str, *names: str) -> str | None:
+    """The user's value: under `name` (the one this release reads first), else under another of `names`, then
+    copied to `name` only where this release does not read that other one (an older release and a TORCH_FR_ name:
+    ignored there). A value under the older name on a newer release is left as it is, with torch's warning: the
+    user's choice."""
+    if env.get(name, "").strip():
+        return env[name]
+    for other in names:
+        if other != name and env.get(other, "").strip():
+            if other.startswith("TORCH_FR_"):
+                env[name] = env[other]
+            return env[other]
+    return None
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -633,13 +738,20 @@ def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable
     lock = trainer = rpc_file = None
     try:
         problem = source = None
-        try:  # what this task writes or reads alone: said after the tasks meet, by agree()
+        try:  # what this task writes or reads alone: said after the tasks meet, by agree(). Every error here is
+            # carried to the meeting: a task that ended before it would leave the others waiting for --timeout
+            real_paths(cfg)
             if launch.rank == 0:  # rank 0 writes --save and --json-out
                 check_outputs(cfg)
                 lock = SaveLock.take(cfg.save) if cfg.save else None
             source = data_source(cfg)
         except RunError as exc:
             problem = str(exc)
+        except Exception as exc:  # not one of the kit's (a bug): its traceback here, and the others told at once
+            if launch.size == 1:
+                raise
+            traceback.print_exc()
+            problem = f"{type(exc).__name__}: {first_line(exc)[:200]} (its traceback is above)"
         torch.set_num_threads(cpu_threads(launch))
         # --tf32: fp32 matmuls on TF32 tensor cores where the GPU has them (compute capability >= 8.0); off by
         # default (torch's own default since 1.12, and the page's), nothing to do on the CPU or a V100
@@ -650,7 +762,10 @@ def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable
         agree(problem, launch)
         rpc_file = init_rpc_for_pipe() if engine == "torch-pipe" else None
         trainer = make_trainer()
-        return train(cfg, trainer, launch, source, cuda)
+        code = train(cfg, trainer, launch, source, cuda)
+        if code == 0:
+            check_last_save(cfg)  # a run whose last saves failed does not end as if its checkpoint were current
+        return code
     except RuntimeError as exc:
         if launch.size > 1 and is_comm_error(exc):
             raise LostContact(f"task {launch.rank} on {socket.gethostname()} lost contact with the others "
@@ -867,47 +982,87 @@ def find_imdb(data_dir: str) -> Path:
                    "download it once on a login node (https://ai.stanford.edu/~amaas/data/sentiment/)")
 
 
+# A review is read whole into memory and tokenised: bound what one file, and all of them, may bring in (a 127 kB
+# tarball holding one 100 MB review peaked at 2.6 GB). IMDB's reviews are a few kB each, about 65 MB for the 50,000 of
+# train/ and test/ together; tokenising 78 MB of text peaked at 1.1 GB here, so the bound on all is 256 MiB.
+REVIEW_BYTES = 1 << 20
+CORPUS_BYTES = 256 << 20
+TAR_ENTRIES = 1_000_000  # IMDB's tarball has about 100,000 (unsup/ included); each header read takes time and memory
+
+
 def read_imdb(source: Path) -> dict[str, tuple[list[str], list[int]]]:
     """{'train': (texts, labels), 'test': (...)} with label 1 = pos, in a fixed (sorted) order."""
     found: dict[str, list[tuple[str, int, str]]] = {"train": [], "test": []}
-    pattern = re.compile(r"(?:^|/)(train|test)/(pos|neg)/[^/]+\.txt$")
+    total = [0]
+
+    def take(split: str, name: str, label: int, size: int, read: Callable[[int], bytes]) -> None:
+        if size > REVIEW_BYTES:
+            raise RunError(f"review {name} in {source} is {size} bytes, more than {REVIEW_BYTES >> 20} MiB: not an "
+                           "IMDB review (they are a few kB); remove it, or download aclImdb_v1.tar.gz again")
+        total[0] += size
+        if total[0] > CORPUS_BYTES:
+            raise RunError(f"the reviews of {source} hold more than {CORPUS_BYTES >> 20} MiB of text (at {name}): not "
+                           "the IMDB corpus (about 65 MB); check --data-dir")
+        found[split].append((name, label, read(REVIEW_BYTES).decode("utf-8", errors="replace")))
+
     if source.is_dir():
-        for split in ("train", "test"):
-            for label in ("neg", "pos"):
-                folder = source / split / label
-                if not folder.is_dir():
-                    raise RunError(f"{folder} is missing: {source} is not a complete aclImdb folder")
-                for f in sorted(folder.glob("*.txt")):
-                    try:
-                        text = f.read_text(encoding="utf-8", errors="replace")
-                    except OSError as exc:
-                        raise RunError(f"cannot read review {f}: {exc.strerror}; fix its permissions or "
-                                       "re-extract aclImdb") from None
-                    found[split].append((f.name, int(label == "pos"), text))
-    else:  # read in place, never extracted: a member's path cannot reach outside
-        mode = "r:gz" if source.name.endswith((".gz", ".tgz")) else "r:" if source.name.endswith(".tar") else "r:*"
-        try:
-            with tarfile.open(source, mode) as tar:
-                for member in tar:
-                    m = pattern.search(member.name)
-                    if m and member.isfile():
-                        text = tar.extractfile(member).read().decode("utf-8", errors="replace")
-                        found[m.group(1)].append((member.name, int(m.group(2) == "pos"), text))
-                # tarfile ends its loop quietly at a garbled header past the first member (tarfile.TarFile.next),
-                # so a damaged gzip can look like a short archive: reading the stream to its end makes gzip check
-                # its CRC and length (gzip._GzipReader raises BadGzipFile, an OSError).
-                while tar.fileobj.read(1 << 20):
-                    pass
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:  # zlib.error: a damaged deflate stream
-            why = " ".join(first_line(exc).split())[:160]
-            raise RunError(f"cannot read {source}: {why}; it is damaged or not the IMDB tarball: download "
-                           "aclImdb_v1.tar.gz again") from None
+        read_imdb_folder(source, take)
+    else:
+        read_imdb_tarball(source, take)
     for split, items in found.items():
         if not items:
             raise RunError(f"{source} has no {split}/pos or {split}/neg reviews: it is not a complete aclImdb; "
                            "download aclImdb_v1.tar.gz again")
         items.sort(key=lambda t: (t[1], t[0]))
     return {s: ([t for _, _, t in items], [y for _, y, _ in items]) for s, items in found.items()}
+
+
+def read_imdb_folder(source: Path, take: Callable) -> None:
+    """Every review file of an aclImdb folder, each opened only if it is a regular file (a FIFO among the reviews
+    would block the read forever, before --timeout is armed)."""
+    for split in ("train", "test"):
+        for label in ("neg", "pos"):
+            folder = source / split / label
+            if not folder.is_dir():
+                raise RunError(f"{folder} is missing: {source} is not a complete aclImdb folder")
+            for f in sorted(folder.glob("*.txt")):
+                try:
+                    with open_regular(f) as review:
+                        take(split, f.name, int(label == "pos"), os.fstat(review.fileno()).st_size, review.read)
+                except OSError as exc:
+                    raise RunError(f"cannot read review {f}: {exc.strerror}; "
+                                   + ("remove it" if isinstance(exc, NotAFile) else
+                                      "fix its permissions or re-extract aclImdb")) from None
+
+
+def read_imdb_tarball(source: Path, take: Callable) -> None:
+    """Every review of aclImdb_v1.tar.gz, read in place, never extracted (a member's path cannot reach outside);
+    only regular members, each read at most to the bound."""
+    pattern = re.compile(r"(?:^|/)(train|test)/(pos|neg)/[^/]+\.txt$")
+    mode = "r:gz" if source.name.endswith((".gz", ".tgz")) else "r:" if source.name.endswith(".tar") else "r:*"
+    try:
+        with tarfile.open(source, mode) as tar:
+            for count in itertools.count(1):
+                member = tar.next()
+                if member is None:
+                    break
+                tar.members.clear()  # tarfile keeps every header read (TarFile.next): 0.5 kB each, 150 MB for 300k
+                if count > TAR_ENTRIES:
+                    raise RunError(f"{source} holds more than {TAR_ENTRIES} entries: not the IMDB tarball (about "
+                                   "100,000); download aclImdb_v1.tar.gz again")
+                m = pattern.search(member.name)
+                if m and member.isfile():
+                    take(m.group(1), member.name, int(m.group(2) == "pos"), member.size,
+                         tar.extractfile(member).read)
+            # tarfile ends its loop quietly at a garbled header past the first member (tarfile.TarFile.next),
+            # so a damaged gzip can look like a short archive: reading the stream to its end makes gzip check
+            # its CRC and length (gzip._GzipReader raises BadGzipFile, an OSError).
+            while tar.fileobj.read(1 << 20):
+                pass
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:  # zlib.error: a damaged deflate stream
+        why = " ".join(first_line(exc).split())[:160]
+        raise RunError(f"cannot read {source}: {why}; it is damaged or not the IMDB tarball: download "
+                       "aclImdb_v1.tar.gz again") from None
 
 
 def synthetic_imdb(n: int, seed: int) -> dict[str, tuple[list[str], list[int]]]:
@@ -1035,6 +1190,7 @@ def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dic
     except RunError as exc:
         problem = str(exc)
     agree(problem, launch)
+    CORPUS.update(corpus_identity(data))
     return data
 
 
@@ -1088,8 +1244,48 @@ def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, replicas: int, ran
     sampler = torch.utils.data.DistributedSampler(BatchTensors(x, y), num_replicas=replicas, rank=rank,
                                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
     batches = torch.utils.data.BatchSampler(sampler, batch, drop_last=drop_last)
-    return torch.utils.data.DataLoader(BatchTensors(x, y), sampler=batches, batch_size=None, num_workers=workers,
-                                       pin_memory=pin, persistent_workers=workers > 0)
+    return Loader(BatchTensors(x, y), sampler=batches, batch_size=None, num_workers=workers, pin_memory=pin,
+                  persistent_workers=workers > 0, worker_init_fn=functools.partial(worker_keeps_on, os.getpid()))
+
+
+class Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose workers live through the job's stop signals, which their trainer acts on (StopRequest).
+    Slurm signals every process of a step (scancel, preemption, the time limit), a terminal's Ctrl-C its whole
+    foreground group. torch's worker loop (torch/utils/data/_utils/worker.py, _worker_loop) installs DataLoader.cpp's
+    handler_SIGTERM: exit 0 if the sender is the worker's parent, else die by SIGTERM, and the trainer fails on
+    "DataLoader worker (pid ...) is killed by signal: Terminated"; SIGINT's KeyboardInterrupt ends the loop
+    quietly, the trainer waiting for a worker that is gone. The workers are forked in __iter__ (the first one, they
+    persist): with the stop signals blocked, so that none reaches a worker before worker_keeps_on has run, and no
+    thread of a worker (torch starts some before it) ever takes SIGTERM with torch's handler."""
+
+    def __iter__(self) -> object:
+        if not self.num_workers:
+            return super().__iter__()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a signal meanwhile is held, not lost
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def worker_keeps_on(trainer: int, worker_id: int) -> None:
+    """worker_init_fn (Loader): SIGINT and SIGUSR1 ignored; SIGTERM, blocked in every thread, taken by one thread
+    that keeps torch's rule for the trainer's own SIGTERM alone: DataLoader's _shutdown_workers and
+    multiprocessing's exit handler end a worker with terminate() and then wait for it (ignored, the trainer's exit
+    would hang). A worker also ends within 5 s when its trainer dies (the loop's ManagerWatchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if hasattr(signal, "sigwaitinfo"):
+        threading.Thread(target=end_on_sigterm_from, args=(trainer,), name="sigterm", daemon=True).start()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
+    else:  # macOS has no sigwaitinfo: SIGTERM as torch's handler takes it (a laptop has no Slurm to send it)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def end_on_sigterm_from(trainer: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == trainer:
+            os._exit(0)  # as torch's handler_SIGTERM does for its parent's
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1136,7 +1332,7 @@ def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
 
 def check_outputs(cfg: argparse.Namespace) -> None:
     """Fail before training, not after an hour of it: every file this run writes (--save, its companion and lock,
-    --json-out) must be a regular file or nothing yet, in an existing folder where a file can really be created.
+    --json-out) must be a regular file or nothing yet, in an existing folder where a file can really be written.
     A device node is refused for --save: the atomic rename would replace it (as root, --save /dev/null would
     replace /dev/null). --json-out is appended to, so a character device or a pipe (/dev/null, /dev/stdout) is
     fine there, a block device is not."""
@@ -1153,13 +1349,40 @@ def check_outputs(cfg: argparse.Namespace) -> None:
         if not folder.is_dir():
             raise RunError(f"{option} {path}: folder {folder} does not exist; create it (mkdir -p {folder}) or "
                            "choose another path")
-        try:  # really create (and remove) a file there: permissions, ACLs, a read-only mount, a full quota of inodes
-            fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            raise RunError(f"{option} {path}: cannot write in {folder} ({exc.strerror}); choose a path under $WORK "
-                           "or $SCRATCH") from None
+        probe_folder(option, path, folder)
+
+
+PROBE_BYTES = 1 << 20  # what the write check writes: an empty file fits on a full disk and proves nothing
+
+
+def probe_folder(option: str, path: str, folder: Path) -> None:
+    """Really write (and remove) a file in `folder`: permissions, ACLs, a read-only mount, a full disk, quota of
+    blocks or of inodes. The bytes are written and fsync'ed, since a network file system (NFS, GPFS) may report a
+    full quota only when the data reaches the server."""
+    probe = None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise RunError(f"{option} {path}: cannot write in {folder} ({exc.strerror}"
+                       + (f": not even {PROBE_BYTES >> 20} MiB fits" if full else "") + "); "
+                       + ("free space there (on Jean Zay, idr_quota_user and idr_quota_project show the quotas), or "
+                          "choose another path"
+                          if full else "choose a path under $WORK or $SCRATCH")) from None
+    finally:
+        if probe is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+
+
+def file_kind(mode: int) -> str | None:
+    """What a file that is not a regular file or a folder is, in words (None: a regular file or a folder)."""
+    return ("a block device" if stat.S_ISBLK(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else None)
 
 
 def check_output_file(option: str, path: str, file: Path) -> None:
@@ -1175,8 +1398,7 @@ def check_output_file(option: str, path: str, file: Path) -> None:
                        if file == Path(path).expanduser() else
                        f"{option} {path}: {file} is a folder, where this run writes a file; remove it or choose "
                        "another path")
-    kind = ("a block device" if stat.S_ISBLK(mode) else "a character device" if stat.S_ISCHR(mode) else
-            "a pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else None)
+    kind = file_kind(mode)
     if kind and (option == "--save" or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode)):
         raise RunError(f"{option} {path}: {file} is {kind}, not a regular file: "
                        + ("saving replaces the file by renaming a new one over it, so it would replace the device; "
@@ -1231,6 +1453,22 @@ def cpu_placement() -> dict:
 # project folders). Every file the kit loads is read with weights_only=True: plain tensors, numbers, strings,
 # lists, tuples and dicts (optimizer and GradScaler state_dicts, RNG states are all of those); a pickled object that
 # would run code is refused.
+def real_paths(cfg: argparse.Namespace) -> None:
+    """--save and --load as the files they name, resolved once at start-up through every symbolic link: the
+    companion, the staged companion and the lock go beside the data, not beside a link to it (there, --resume
+    found no companion and restarted from epoch 0, each save renamed a regular file over the link, and a run
+    naming the target directly was not locked out). Every later use, and the checkpoint's record, is this path.
+    A path whose last part is no link is kept as given (a linked folder above it holds the pair all the same)."""
+    for option in ("save", "load"):
+        given = getattr(cfg, option)
+        if given and os.path.islink(os.path.expanduser(given)):
+            real = os.path.realpath(os.path.expanduser(given))
+            what = ("the checkpoint, its companion and its lock are kept" if option == "save" else
+                    "the checkpoint and its companion are read")
+            log(f"notice: --{option} {given} is a symbolic link to {real}: {what} there")
+            setattr(cfg, option, real)
+
+
 def resume_file(path: str | Path) -> Path:
     return Path(path).expanduser().with_name(Path(path).name + ".resume.pt")
 
@@ -1276,7 +1514,7 @@ def rng_states(world: int) -> list[dict] | None:
 
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
@@ -1328,6 +1566,7 @@ def atomic_torch_save(obj: object, path: Path) -> None:
     sync_folder(path.parent)
 
 
+@interrupts_held  # a second Ctrl-C waits for the pair to be whole (hold_signal)
 def save_checkpoint(path: str, model_state: dict, resume: dict) -> None:
     """The pair, replaced as a pair (see above): both files written whole, the companion staged, the model file
     committed, the companion moved into place. A failure before the commit removes what it wrote and leaves the
@@ -1392,14 +1631,49 @@ def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batches
             "format": RESUME_FORMAT, "optimizer": optimizer_state, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
             "samples_in_epoch": batch_in_epoch * cfg.batch_size * trainer.dp_size,
             "step": step, "layout": layout_of(cfg, trainer.nb_part), "engine": trainer.engine, "rng": rngs,
+            "data": dict(CORPUS),
             "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}})
     except (OSError, RuntimeError) as exc:  # torch.save wraps the OSError of a failed write in a RuntimeError
         kept = (f"the previous checkpoint {cfg.save} (with its {resume_file(cfg.save).name}) is kept"
                 if Path(cfg.save).expanduser().exists() else f"there is no previous checkpoint in {cfg.save}")
+        SAVES["failed"] = f"epoch {epoch}, step {step}: {write_failure(exc)}"
         print(f"{PROG[0]}: error: checkpoint not saved (epoch {epoch}, step {step}): {write_failure(exc)}; {kept}; "
               "training goes on and the next save tries again", file=sys.stderr, flush=True)
         return False
+    SAVES.update(failed=None, on_disk=position_text(epoch, batch_in_epoch, step))
     return True
+
+
+# Rank 0's saves in this run: what the --save file holds, and why the last save failed (None: it did not)
+SAVES: dict = {"on_disk": None, "failed": None}
+# This run's corpus as read (load_corpus): what a checkpoint records, and a resume checks, of the data it trained on
+CORPUS: dict = {}
+
+
+def position_text(epoch: int, batch_in_epoch: int, step: int) -> str:
+    """A checkpoint's position as the resume line says it: 'epoch 1 + 3 batches, step 12'."""
+    return f"epoch {epoch}" + (f" + {batch_in_epoch} batches" if batch_in_epoch else "") + f", step {step}"
+
+
+def check_last_save(cfg: argparse.Namespace) -> None:
+    """At the end of a run (rank 0): if the last save failed, the --save file is older than this run's end, and the
+    run says so in one line and exits 1, instead of ending as if its checkpoint were current."""
+    if not SAVES["failed"] or idr_torch.rank != 0:
+        return
+    held = (f"{cfg.save} holds {SAVES['on_disk']}" if SAVES["on_disk"] else
+            f"{cfg.save} holds an earlier run's checkpoint" if Path(cfg.save).exists() else
+            f"there is no checkpoint in {cfg.save}")
+    raise RunError(f"training ended, but the last checkpoint was not saved ({SAVES['failed']}): {held}, not where "
+                   "this run ended; free space there (or give another --save) and run again with --resume to train "
+                   "the rest again")
+
+
+def corpus_identity(data: dict) -> dict:
+    """What a checkpoint records of the corpus it trained on: the review counts, and the vocabulary (which word
+    each embedding row stands for), as a digest."""
+    itos = "\n".join(data["itos"]).encode("utf-8", errors="surrogatepass")
+    return {"train": len(data["train_y"]), "test": len(data["test_y"]),
+            "vocab_sha256": hashlib.sha256(itos).hexdigest()[:16]}
 
 
 def os_error_in(exc: BaseException) -> OSError | None:
@@ -1422,9 +1696,36 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+class NotAFile(OSError):
+    """A path the kit reads that is not a regular file: a FIFO (reading one waits for a writer forever, before
+    --timeout is armed and while SIGTERM is held), a device, a socket, a folder."""
+
+
+def open_regular(path: str | Path) -> io.BufferedReader:
+    """Open `path` for reading only if it is a regular file (through links). A FIFO or device is never opened: stat
+    first; then the open itself is non-blocking (a FIFO swapped in meanwhile does not block it) and what was
+    opened is checked again (fstat), so no rename in between gets past."""
+    def refusal(st: os.stat_result) -> NotAFile:
+        what = "a folder" if stat.S_ISDIR(st.st_mode) else file_kind(st.st_mode)
+        return NotAFile(errno.EINVAL, f"{what}, not a regular file", str(path))
+
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise refusal(st)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise refusal(st)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def load_weights_only(path: Path) -> object:
-    """torch.load as every file of the kit is loaded: tensors and plain values only, nothing that runs code."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """torch.load as every file of the kit is loaded: tensors and plain values only, nothing that runs code, and
+    from a regular file only."""
+    with open_regular(path) as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def load_refusal(exc: Exception) -> str:
@@ -1432,6 +1733,8 @@ def load_refusal(exc: Exception) -> str:
     if isinstance(exc, pickle.UnpicklingError):  # what weights_only raises on anything but tensors and plain values
         return ("it holds Python objects besides tensors and plain values, which could run code when loaded: "
                 "refused")
+    if isinstance(exc, NotAFile):
+        return f"it is {exc.strerror}"
     return f"{type(exc).__name__}: {first_line(exc)[:120]}"
 
 
@@ -1441,6 +1744,9 @@ def read_model(path: str) -> dict:
         state = load_weights_only(Path(path).expanduser())
     except FileNotFoundError:
         raise RunError(f"--load {path}: no such file") from None
+    except NotAFile as exc:
+        raise RunError(f"--load {path} is {exc.strerror}: give the file --save wrote (or the page's torch.save "
+                       "file)") from None
     except Exception as exc:
         raise RunError(f"--load {path} is not a readable model file ({load_refusal(exc)}); it may be truncated: use "
                        "an earlier one") from None
@@ -1472,7 +1778,40 @@ def load_companion(companion: Path, path: str) -> dict:
         if not isinstance(state.get(key), kind) or (kind is int and state[key] < 0):
             found = "no" if key not in state else f"a bad ({type(state[key]).__name__})"
             raise RunError(f"{companion} has {found} '{key}' field: it is damaged or was edited; {alone}")
+    for key, why in (("samples_in_epoch", samples_problem(state)), ("rng", rng_problem(state["rng"]))):
+        if why:
+            raise RunError(f"{companion} has a bad '{key}' field ({why}): it is damaged or was edited; {alone}")
     return state
+
+
+def samples_problem(state: dict) -> str | None:
+    """Why a companion's samples_in_epoch (absent before it was recorded) cannot be where its batch count is."""
+    samples = state.get("samples_in_epoch")
+    if samples is None:
+        return None
+    if type(samples) is not int or samples < 0:
+        return f"{samples!r} is not a count of samples"
+    if (samples == 0) != (state["batch_in_epoch"] == 0):
+        return f"{samples} samples into an epoch at batch {state['batch_in_epoch']}"
+    return None
+
+
+def rng_problem(rngs: list | None) -> str | None:
+    """Why a companion's RNG states would not restore (None: they would), tried on throwaway generators so that the
+    check changes no stream: every task checks every rank's entry, so all reach the same verdict before any of
+    them restores its own (restore_rng)."""
+    for rank, entry in enumerate(rngs or []):
+        try:
+            torch.Generator().set_state(entry["torch"])
+            random.Random().setstate(entry["python"])
+            cuda = entry.get("cuda", [])
+            if not isinstance(cuda, list):
+                raise TypeError(f"cuda is a {type(cuda).__name__}, not a list")
+            for gpu_state in cuda[: torch.cuda.device_count() if torch.cuda.is_available() else 0]:
+                torch.Generator(device="cuda").set_state(gpu_state)
+        except Exception as exc:  # what set_state and setstate raise on a damaged state: TypeError, ValueError...
+            return f"rank {rank}: {type(exc).__name__}: {first_line(exc)[:100]}"
+    return None
 
 
 def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None:
@@ -1503,7 +1842,64 @@ def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None
         diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
         raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
                        f"(e.g. --nb-part {theirs.get('nb_part')} --nlayers {theirs.get('nlayers')})")
+    check_resumed_settings(path, cfg, state)
     return state
+
+
+# What a resume does with each argument given another value than the saved run's (never: keep the saved value while
+# the companion records the new one). tests/test_faults_checkpoint.py checks that every argument has its rule.
+#   layout:  the parameters' shapes and their cut into parts: refused by read_resume's layout check
+#   applied: this run's value runs from its first step (one notice line lists them)
+#   refused: one line naming the saved value
+#   corpus:  the data, checked as read (review counts, vocabulary), not as the option's text: a copy elsewhere is fine
+#   none:    not a setting of the training (files, modes)
+RESUME_RULES: dict[str, str] = {
+    **{a.dest: "layout" for a in check_topology.ARGS if a.checkpoint}, "nb_part": "layout",
+    # the Pipe's and the schedule's cut of each batch, the batch (samples_in_epoch keeps the place in the epoch),
+    # the precision (autocast; fp16's GradScaler state is restored where both are fp16, else it starts afresh),
+    # ZeRO (the optimizer state is saved in plain AdamW's layout and loads either way), the stages per task (their
+    # product, nb_part, is the layout), the length of the run, and what only times or watches it
+    **dict.fromkeys(("dropout", "chunks", "batch_size", "precision", "activation_checkpointing", "zero", "engine",
+                     "devices", "pp", "schedule", "virtual_stages", "epochs", "max_steps", "untimed_steps", "lr",
+                     "lr_warmup", "lr_decay", "tf32",
+                     "workers", "timeout", "log_every"), "applied"),
+    # the data order: DistributedSampler shuffles epoch e with seed + e, and a resume continues that order at the
+    # saved sample (another seed would train some samples twice and others never in the epoch in progress)
+    "seed": "refused",
+    **dict.fromkeys(("synthetic", "data_dir"), "corpus"),
+    **dict.fromkeys(("cache_dir", "json_out", "save", "load", "resume", "check_args"), "none"),
+}
+
+
+def check_resumed_settings(path: str, cfg: argparse.Namespace, state: dict) -> None:
+    """Each setting this run gives another value than the saved run: refused in one line, or applied and said."""
+    saved, data = state.get("args") or {}, state.get("data") or {}
+    if "seed" in saved and saved["seed"] != cfg.seed:
+        raise RunError(f"--seed {cfg.seed}: {path} was saved by a run with --seed {saved['seed']}, which fixes the "
+                       "order of the data that this resume continues (each epoch is shuffled with seed + epoch); "
+                       f"rerun with --seed {saved['seed']}, or start a new run (another --save) with --seed "
+                       f"{cfg.seed}")
+    if data and CORPUS and data != CORPUS:
+        def text(d: dict) -> str:
+            return f"{d.get('train')} training reviews, vocabulary {str(d.get('vocab_sha256'))[:8]}"
+        given = (f"--data-dir {saved['data_dir']}" if saved.get("data_dir") else
+                 f"--synthetic {saved['synthetic']}" if saved.get("synthetic") else "its data")
+        raise RunError(f"--load {path} was trained on another corpus ({text(data)}; this run reads {text(CORPUS)}): "
+                       "its place in the epoch and the words of its embedding rows belong to that one; rerun with "
+                       f"{given}, or, to start from its weights alone, copy {path} without its "
+                       f"{resume_file(path).name} and --load the copy")
+    changed = [f"{check_topology.ARG[k].flag} {_shown(getattr(cfg, k))} (saved {_shown(v)})"
+               + (" (the GradScaler starts at its initial scale)" if k == "precision" and cfg.precision == "fp16"
+                  else "")
+               for k, v in saved.items() if RESUME_RULES.get(k, "applied") == "applied" and k in check_topology.ARG
+               and hasattr(cfg, k) and getattr(cfg, k) != v]
+    if changed:
+        log(f"  settings changed since the save, applied from this run's first step: {', '.join(changed)}")
+
+
+def _shown(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else "on" if value is True else "off" if value is False else \
+        str(value)
 
 
 def resume_point(cfg: argparse.Namespace, trainer: Trainer) -> tuple[int, int, int, dict | None]:
@@ -1534,9 +1930,17 @@ def resume_point(cfg: argparse.Namespace, trainer: Trainer) -> tuple[int, int, i
     if state is None:
         log(f"loaded {load}: weights only (no {resume_file(load).name} beside it): fresh optimizer, epoch 0")
         return 0, 0, 0, None
-    start_epoch, skip, step = state["epoch"], state["batch_in_epoch"], state["step"]
-    log(f"loaded {load}: epoch {start_epoch}" + (f" + {skip} batches" if skip else "") + f", step {step}")
-    return start_epoch, batches_to_skip(state, cfg.batch_size * trainer.dp_size), step, state
+    start_epoch, step = state["epoch"], state["step"]
+    log(f"loaded {load}: {position_text(start_epoch, state['batch_in_epoch'], step)}")
+    if load == cfg.save:
+        SAVES["on_disk"] = position_text(start_epoch, state["batch_in_epoch"], step)
+    skip = batches_to_skip(state, cfg.batch_size * trainer.dp_size)
+    per_epoch = CORPUS.get("train", 0) // trainer.dp_size // cfg.batch_size  # as make_loaders' drop_last cuts it
+    if skip and skip >= per_epoch > 0:  # the save's samples cover every batch this run's epoch holds
+        log(f"  epoch {start_epoch + 1}: skipped, its {per_epoch} batches of {cfg.batch_size} x {trainer.dp_size} "
+            "replica(s) were all trained before the save")
+        start_epoch, skip = start_epoch + 1, 0
+    return start_epoch, skip, step, state
 
 
 def batches_to_skip(state: dict, global_batch: int) -> int:
@@ -1584,11 +1988,12 @@ class SaveLock:
     def take(cls, save: str) -> SaveLock | None:
         lock = lock_file(save)
         for _ in range(5):
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            try:  # O_NOFOLLOW: a link planted as the lock file would have this run truncate what it points to
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
             except OSError as exc:
-                raise RunError(f"--save {save}: cannot open its lock file {lock} ({exc.strerror}); if no run is "
-                               "writing this checkpoint, delete the lock file") from None
+                raise RunError(f"--save {save}: cannot open its lock file {lock} ("
+                               + ("a symbolic link: remove it" if exc.errno == errno.ELOOP else
+                                  f"{exc.strerror}; {cls.fix(exc)}") + ")") from None
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -1610,9 +2015,21 @@ class SaveLock:
             raise RunError(f"--save {save}: its lock file {lock} keeps being replaced; is another run starting?")
         me = {"job": os.environ.get("SLURM_JOB_ID"), "job_name": os.environ.get("SLURM_JOB_NAME"),
               "host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        return cls(lock, fd)
+        held = cls(lock, fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        except OSError as exc:  # a full disk or quota: held, so no other run uses the file; nothing is left behind
+            held.release()
+            raise RunError(f"--save {save}: cannot write its lock file {lock} ({exc.strerror}); "
+                           f"{cls.fix(exc)}") from None
+        return held
+
+    @staticmethod
+    def fix(exc: OSError) -> str:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "the disk or the quota is full: free space there, or choose another --save"
+        return "if no run is writing this checkpoint, delete the lock file, or choose another --save"
 
     @staticmethod
     def holder(lock: Path) -> str:
@@ -1636,26 +2053,29 @@ class SaveLock:
 
 
 class StopRequest:
-    """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit) or SIGTERM (scancel, preemption): finish
-    the current step, checkpoint, exit 75. Every rank must stop at the same step, or DDP would wait for the
-    missing ones forever: the flags are OR-ed across ranks after every step, on the CPU (gloo), so the GPU
-    stream is never synchronised for it."""
+    """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit), SIGTERM (scancel, preemption) or SIGINT
+    (Ctrl-C), held by hold_signal since start-up: finish the current step, checkpoint, exit 75. Every rank must stop
+    at the same step, or DDP would wait for the missing ones forever: the flags are OR-ed across ranks after every
+    step, on the CPU (gloo), so the GPU stream is never synchronised for it."""
     EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the templates requeue on it
 
     def __init__(self) -> None:
-        self.signal: str | None = PENDING_SIGNALS[-1] if PENDING_SIGNALS else None  # held since start-up
         self.flag = torch.zeros(1)
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+        if threading.current_thread() is threading.main_thread():  # the program holds them already; an importer not
+            hold_stop_signals()
 
-    def _handler(self, signum: int, frame: object) -> None:
-        self.signal = signal.Signals(signum).name
+    @property
+    def signal(self) -> str | None:
+        """The first stop signal this task received (the reason), or None."""
+        return PENDING_SIGNALS[0] if PENDING_SIGNALS else None
 
     def agreed(self, world: int) -> bool:
-        self.flag[0] = 1.0 if self.signal else 0.0
+        interrupt_if_deferred()
+        self.flag[0] = 1.0 if PENDING_SIGNALS else 0.0
         if world > 1:
             dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=HOST_GROUP[0])
-        return bool(self.flag[0] > 0)
+        CTRL_C["ending"] = stop = bool(self.flag[0] > 0)  # the stop's checkpoint next: Ctrl-C again does not cut it
+        return stop
 
 
 def reduce_max(values: list[float], device: str, world: int) -> list[float]:
@@ -1844,6 +2264,25 @@ def lr_at(cfg: argparse.Namespace, step: int, total: int) -> float:
     return cfg.lr * (LR_FLOOR + (1.0 - LR_FLOOR) * factor)
 
 
+# benchmarks/gpu_check.py sets KIT_SYNC_DEBUG=error for the script's tasks: a host sync in a timed step (a blocking
+# copy between host and GPU, a stream synchronize, .item()) then raises where it happens, instead of costing the
+# host-bound bf16 step its time unseen (torch.cuda.set_sync_debug_mode; c10/cuda/CUDAFunctions.h says what counts).
+SYNC_DEBUG = os.environ.get("KIT_SYNC_DEBUG", "").strip()
+
+
+@contextlib.contextmanager
+def sync_debug(timed: bool) -> Iterator[None]:
+    """torch's sync debug mode around one timed step, where KIT_SYNC_DEBUG asks for it on a GPU; else nothing."""
+    if not (timed and SYNC_DEBUG and torch.cuda.is_available()):
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(SYNC_DEBUG)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.data.DataLoader, epoch: int,
                 skip: int, step: int, stop: StopRequest, world: int, total: int) -> Epoch:
     """One epoch from batch `skip` on (resumed inside this epoch: same sampler order, those are done); `total`:
@@ -1861,11 +2300,12 @@ def train_epoch(cfg: argparse.Namespace, trainer: Trainer, loader: torch.utils.d
             trainer.synchronize()
             ep.t_timed = time.time()
         ep.lr = lr_at(cfg, ep.step, total)
-        trainer.set_lr(ep.lr)
-        stats = trainer.train_step(x, y)
-        ep.stats += stats  # stays on the device: no .item() (a host sync) in the loop
-        ep.step += 1
-        ep.first_bad = torch.where(ep.first_bad.eq(0) & ~torch.isfinite(stats[0]), ep.step, ep.first_bad)
+        with sync_debug(ep.t_timed is not None):
+            trainer.set_lr(ep.lr)
+            stats = trainer.train_step(x, y)
+            ep.stats += stats  # stays on the device: no .item() (a host sync) in the loop
+            ep.step += 1
+            ep.first_bad = torch.where(ep.first_bad.eq(0) & ~torch.isfinite(stats[0]), ep.step, ep.first_bad)
         ep.timed_steps += int(ep.t_timed is not None)
         if stop.agreed(world):
             break
@@ -1968,8 +2408,49 @@ def finish(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, 
                   "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"], "host_rss_gb": history[-1]["host_rss_gb"],
                   "test_acc": history[-1]["test_acc"], "replica_divergence": gap, "plans": plans,
                   "startup_s": startup_s, "total_s": total_s, "epochs": history}
-        with open(cfg.json_out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        write_record(cfg, record)
+
+
+def write_record(cfg: argparse.Namespace, record: dict) -> None:
+    """Append the run's record to --json-out as one whole line. A write that fails (a full disk, a quota) leaves the
+    file as it was, prints the record on stdout so that it is not lost, and ends the run with one line and exit 1
+    (the run itself finished: its record is what failed)."""
+    line = json.dumps(record) + "\n"
+    try:
+        append_whole(Path(cfg.json_out).expanduser(), line.encode())
+    except OSError as exc:
+        print(line, end="", flush=True)
+        raise RunError(f"the run finished, but its record could not be appended to --json-out {cfg.json_out} "
+                       f"({write_failure(exc)}): it is printed on stdout instead (the line starting with "
+                       f"{{\"time\": \"{record.get('time')}\"); add it to {cfg.json_out} once there is room") from None
+
+
+def append_whole(path: Path, data: bytes) -> None:
+    """Append `data` to `path` whole or not at all: a regular file is locked while it is appended to (other runs of
+    a sweep append to the same file) and cut back to its length before if a write fails midway (a full disk writes
+    part of a line, and a reader then finds a cut record). A FIFO or character device (/dev/stdout, /dev/null) is
+    written as it is; one with no reader fails at once (ENXIO) instead of blocking."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    try:
+        os.set_blocking(fd, True)
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        if regular:
+            with contextlib.suppress(OSError):  # a file system without locks: appended all the same
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if regular:
+                os.fsync(fd)
+        except OSError:
+            if regular and os.fstat(fd).st_size > start:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2110,13 +2591,20 @@ def cli(main: Callable[[], int], prog: str) -> None:
     own error (TaskError, LaunchError) by that task; Quiet ones exit 1 without a line."""
     PROG[0] = prog
     try:
-        sys.exit(main())
+        code = main()
+        CTRL_C["ending"] = True  # what is left is the interpreter's exit: a Ctrl-C there would only add a traceback
+        sys.exit(code)
     except check_topology.ArgumentError as exc:  # the line itself: argparse's usage-error status
         if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", ""):
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Quiet:
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C twice (hold_signal): at once, one line, the shell's status for SIGINT
+        if is_rank0():
+            print(f"{prog}: interrupted (Ctrl-C twice): stopped at once, without a checkpoint of this point; "
+                  "--resume goes on from the last one --save wrote", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (RunError, idr_torch.LaunchError) as exc:
         value = (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip()
         rank = int(value) if value.isdigit() else 0  # a malformed one is the LaunchError being reported

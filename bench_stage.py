@@ -16,14 +16,22 @@ The trainer's verdict on its arguments alone, without importing torch (docs/argu
 """
 from __future__ import annotations
 
+import signal
 import sys
+
+# The stop signals are held from here, the first statements (see bench_ddp_transformer's top): before the 2,000 lines
+# of bench_ddp_transformer are compiled, 30-60 ms in which their default actions would kill the process. Its
+# hold_signal takes over this list when it is imported below (HOLD_STOP_SIGNALS).
+PENDING_SIGNALS: list[str] = []
+if __name__ == "__main__":
+    for _sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(_sig) is not signal.SIG_IGN:  # ignored stays ignored (Ctrl-C in a background job)
+            signal.signal(_sig, lambda signum, frame: PENDING_SIGNALS.append(signal.Signals(signum).name))
 
 if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
     import check_topology
     sys.exit(check_topology.check_args_main("stage", sys.argv[1:]))
 
-# bench_ddp_transformer holds SIGUSR1/SIGTERM from its first lines when a trainer is the program (see there):
-# imported first, before torch, so a signal during start-up is not fatal here either
 HOLD_STOP_SIGNALS = True
 import bench_ddp_transformer as bench  # noqa: E402
 

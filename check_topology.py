@@ -178,6 +178,8 @@ class Arg:
         """(value, None), or (None, the refusal)."""
         if self.kind is None:
             return bool(raw), None
+        if self.group == "files" and not str(raw).strip():  # '' would silently mean "none": no save, no record
+            return None, (f"{self.flag} {raw!r} is an empty path; give a file or folder, or leave {self.flag} out")
         try:
             value = self.kind(raw)
         except ValueError:

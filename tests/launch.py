@@ -1,6 +1,7 @@
 """Start N real processes the way srun would (SLURM_* per task), wait for all, and insist they exit."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from local_slurm import free_port
 
@@ -69,3 +72,20 @@ def bench(args: list[str], ntasks: int = 1, nodes: int = 1, timeout: float = 240
     for env in envs:
         env.update(extra_env)
     return run_tasks([str(ROOT / script), *args], envs, timeout=timeout, python=python)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, options: str):
+    """A tmpfs mounted at `where` with mount's -o `options` ("size=4m", "ro,size=64k", "size=8m,nr_inodes=4"): a
+    small or read-only disk for the full-disk tests. Needs root (CI runs as root): skipped with the reason elsewhere,
+    failed in CI. Unmounted (lazily, in case a process still holds it) on the way out."""
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs in CI: {r.stderr.strip()}")
+        pytest.skip(f"mounting a tmpfs needs root: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

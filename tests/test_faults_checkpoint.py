@@ -11,13 +11,12 @@ import stat
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import ROOT, bench, clean_env
+from launch import ROOT, bench, clean_env, mounted_tmpfs
 from local_slurm import free_port
 
 import bench_ddp_transformer as b
@@ -171,46 +170,44 @@ def test_the_next_save_removes_only_its_own_leftovers(tmp_path):
 
 
 # ---- a full disk: the failed save is one line, the previous pair stays whole -----------------------------------------
-@contextmanager
 def small_disk(where: Path, size_kib: int):
-    """A tmpfs of `size_kib` KiB mounted at `where` (needs root: CI runs as root)."""
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(where)], capture_output=True,
-                       text=True)
-    if r.returncode:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs in CI: {r.stderr.strip()}")
-        pytest.skip(f"mounting a tmpfs needs root: {r.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+    """A tmpfs of `size_kib` KiB mounted at `where` (launch.mounted_tmpfs: root, as CI)."""
+    return mounted_tmpfs(where, f"size={size_kib}k")
 
 
 @pytest.mark.parametrize("fails_at", ["model file", "companion"])
 def test_full_disk_keeps_the_previous_pair(tmp_path, fails_at):
     """The disk fills during the second epoch's save: one line says the previous checkpoint is kept, training
-    ends normally, nothing half-written is left, and --resume continues from the previous pair."""
+    goes on to its end, which says that the checkpoint is the previous one and exits 1 (it ended 0 as if the
+    checkpoint were current); nothing half-written is left, and --resume continues from the previous pair."""
     args = [*SMALL, "--cache-dir", str(tmp_path), "--json-out", str(tmp_path / "runs.jsonl")]
     # one pair is about 0.8 MB (model) + 1.7 MB (companion); a save needs room for a second pair's files
     size = {"model file": 2900, "companion": 4000}[fails_at]
     with small_disk(tmp_path / "disk", size) as disk:
         ckpt = disk / "ckpt.pt"
         [r] = bench([*args, "--epochs", "2", "--save", str(ckpt)])
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == 1, r.stderr[-3000:]
         errors = [line for line in r.stderr.splitlines() if "error:" in line]
         written = ckpt if fails_at == "model file" else b.resume_file(ckpt)
-        assert len(errors) == 1 and (f"checkpoint not saved (epoch 2, step 18): No space left on device ({written})"
+        failure = f"epoch 2, step 18: No space left on device ({written})"
+        assert len(errors) == 2 and (f"checkpoint not saved (epoch 2, step 18): No space left on device ({written})"
                                      in errors[0]), errors
         assert f"the previous checkpoint {ckpt} (with its ckpt.pt.resume.pt) is kept" in errors[0], errors
+        assert errors[1] == (f"bench_ddp_transformer: error: training ended, but the last checkpoint was not saved "
+                             f"({failure}): {ckpt} holds epoch 1, step 9, not where this run ended; free space there "
+                             "(or give another --save) and run again with --resume to train the rest again"), errors
+        assert "epoch   2 |" in r.stdout and len((tmp_path / "runs.jsonl").read_text().splitlines()) == 1
         assert r.stdout.count("checkpoint saved:") == 1 and "Traceback" not in r.stderr
         assert sorted(p.name for p in disk.iterdir()) == ["ckpt.pt", "ckpt.pt.resume.pt"]
         cfg = b.parse_args(SMALL)
         b.resolve(cfg, False)
         state = b.read_resume(str(ckpt), cfg, 2)
         assert (state["epoch"], state["step"]) == (1, 9)
+        # what the last line says to do: free space (here: a bigger disk), run again with --resume
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
         [again] = bench([*args, "--epochs", "2", "--save", str(ckpt), "--resume"])
         assert again.returncode == 0 and f"loaded {ckpt}: epoch 1, step 9" in again.stdout, again.stderr[-2000:]
+        assert (b.read_resume(str(ckpt), cfg, 2)["epoch"], "error:" in again.stderr) == (2, False)
 
 
 # ---- a job stopped by SIGTERM, then SIGKILL 0.3 s later (a grace period shorter than the save) -----------------------

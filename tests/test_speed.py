@@ -362,7 +362,7 @@ def test_profile_through_a_link_replaces_the_file_it_points_to(tmp_path):
 def test_a_disk_full_after_the_timing_is_one_line_and_leaves_the_old_profile(tmp_path):
     """The disk fills during the timing: one line, exit 1, the previous profile whole, no temporary file (it was a
     traceback and a half-written .tmp)."""
-    from test_faults_reports import mounted_tmpfs
+    from launch import mounted_tmpfs
     with mounted_tmpfs(tmp_path / "disk", "size=256k") as disk:
         out = disk / "profile.json"
         out.write_text("old\n")
