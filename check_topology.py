@@ -3192,6 +3192,10 @@ def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
     if bind.startswith("per_task:") and bind.split(":", 1)[1].isdigit() and int(bind.split(":", 1)[1]) > 0:
         n = int(bind.split(":", 1)[1])
         return everything[local_rank * n:(local_rank + 1) * n]
+    if bind.startswith("single:") and bind.split(":", 1)[1].isdigit() and int(bind.split(":", 1)[1]) > 0:
+        # one GPU per task, N tasks per GPU, the first GPU with room (srun(1) --gpu-bind): which one also depends
+        # on the task's socket, so the ids are the order without NUMA; the count is exact
+        return [everything[local_rank // int(bind.split(":", 1)[1]) % len(everything)]] if everything else []
     if bind in ("", "none") and job.gpus_per_task and bind != "none":
         g = job.gpus_per_task
         return everything[local_rank * g:(local_rank + 1) * g]
@@ -4995,16 +4999,15 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
     become findings in its words; a shell variable leaves what it may set unknown (t.unknown), never judged."""
     line = read_trainer_argv(t.layout, argv, shell=True)
     findings.extend(Finding(f.level, f.code, f"{where}: {f.message}") for f in line.findings)
-    if line.findings.errors:
+    if line.findings.errors:  # refused: nothing is judged (all unknown), but the plan shows the line's accepted values
+        hidden = {ARG[u.split(" ")[0][2:].replace("-", "_")].dest for u in line.unchecked if u.startswith("--")}
+        # less the placement (nb_part, devices): the plan's own checks would judge a refused line's values
+        take_values(t, line.values, [] if line.standalone else
+                    [d for d in line.given if d not in hidden and d not in ("nb_part", "devices")
+                     and getattr(line.values, d) is not None])
         t.unknown = line.unknown
         return
-    given = [d for d in line.given if d not in line.unknown]
-    known = training_from_args(line.values, t.layout, given)
-    for name in given:
-        if name in TRAINING_FIELDS:
-            setattr(t, name, getattr(known, name))
-        elif name in known.model:
-            t.model[name] = known.model[name]
+    take_values(t, line.values, [d for d in line.given if d not in line.unknown])
     t.unknown, t.unchecked = line.unknown, t.unchecked + [f"{where}: {u}" for u in line.unchecked]
     script, source = SCRIPTS[t.layout], where.rpartition(":")[0] or "SCRIPT"
     for token in line.unchecked:
@@ -5024,6 +5027,16 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
         findings.warn("no-training", f"{where}: {script} {'--help' if line.help else '--check-args'} prints "
                       f"{'its help' if line.help else 'its verdict on the arguments'} and exits: this line trains "
                       "nothing; remove it to train")
+
+
+def take_values(t: Training, values: argparse.Namespace, names: list[str]) -> None:
+    """The line's values of `names` into t (the others keep what t holds)."""
+    known = training_from_args(values, t.layout, names)
+    for name in names:
+        if name in TRAINING_FIELDS:
+            setattr(t, name, getattr(known, name))
+        elif name in known.model:
+            t.model[name] = known.model[name]
 
 
 def read_trainer_line(launch: "LaunchLine", script: str, where: str, job: Job, training: Training,
@@ -5262,6 +5275,7 @@ def check_job(job: Job, training: Training) -> Report:
         return Report(job, training, [], findings, ["nothing planned: more tasks than the nodes run"])
     gpn = step_gpus_per_node(job, tasks_per_node, findings)
     job.gpus_per_node = gpn
+    defaulted = training.nlayers is None and not training.known("nlayers")  # a shell variable, or refused
     if training.nlayers is None:  # the trainer's own default for what it will run on
         training.nlayers = (GPU_DEFAULTS if gpn else CPU_DEFAULTS)["nlayers"]
     check_gpus_fit(job, gpn, tasks_per_node, findings)
@@ -5292,6 +5306,9 @@ def check_job(job: Job, training: Training) -> Report:
     plans.sort(key=lambda p: p.rank)
     _dedupe(findings)
     report = Report(job, training, plans, findings)
+    if defaulted:
+        report.notes.append(f"the table splits the trainer's default {training.nlayers} layers: the line's --nlayers "
+                            "is not known here (a shell variable, or a value the trainer refuses)")
     check_kit(report, procs_per_node, gpn)
     gpus_per_task = (gpn // max(tasks_per_node)) if gpn else 0
     check_site(job, tasks_per_node, gpus_per_task, gpn, findings)
@@ -5702,6 +5719,9 @@ def check_node_usage(report: Report) -> None:
             fix = ("give each task its own GPUs, e.g. --gpu-bind=map_gpu:" + ",".join(
                        str(i * (gpn or 1) // len(plans)) for i in range(len(plans)))
                    if "map_gpu" in (report.job.gpu_bind or "") else
+                   f"--gpu-bind={report.job.gpu_bind} puts {report.job.gpu_bind.split(':')[-1]} tasks on each GPU; "
+                   "--gpu-bind=single:1 gives each task its own"
+                   if "single:" in (report.job.gpu_bind or "").lower() else
                    f"--devices {','.join(map(str, report.training.devices))} names the same visible GPUs in every "
                    f"task: drop --devices (each task then takes its own nb_part GPUs), or run one task per node"
                    if report.training.devices else
