@@ -10,11 +10,11 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_ddp_transformer as bench  # noqa: E402
+from hybrid_step_worker import global_batch, start_replica, stop_replica  # noqa: E402
 
 HOST_OPS = ("aten.lift_fresh", "aten._local_scalar_dense")
 KIT_FILES = ("bench_ddp_transformer.py", "bench_stage.py")
@@ -43,16 +43,8 @@ class HostOps(TorchDispatchMode):
 
 def main() -> None:
     out = Path(sys.argv[1])
-    cfg = bench.parse_args(sys.argv[2:])
-    bench.resolve(cfg, cuda=False)
-    plan = bench.make_plan(cfg, cuda=False)
-    engine = bench.pick_engine(cfg.engine)
-    bench.init_distributed(120, cuda=False)
-    trainer = bench.Replica(cfg, plan, engine)
-    trainer.start()
-    g = torch.Generator().manual_seed(7)
-    x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
-    y = torch.randint(0, 2, (cfg.batch_size,), generator=g)
+    cfg, _, _, trainer, rpc_file = start_replica(sys.argv[2:])
+    x, y = global_batch(cfg, 1)
     trainer.set_lr(bench.lr_at(cfg, 0, 10))
     trainer.train_step(x, y)  # the first step builds DDP's buckets: not what is timed
     with HostOps() as rec:
@@ -60,8 +52,7 @@ def main() -> None:
         stats = trainer.train_step(x, y)
         evals = trainer.eval_step(x, y)
     out.write_text(json.dumps({"ops": rec.seen, "stats": stats.tolist(), "eval": evals.tolist()}))
-    trainer.close()
-    torch.distributed.destroy_process_group()
+    stop_replica(trainer, rpc_file)
 
 
 if __name__ == "__main__":

@@ -21,27 +21,38 @@ def global_batch(cfg, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    cfg = bench.parse_args(sys.argv[2:])
+def start_replica(argv: list[str]):
+    """The trainer's Replica for `argv`, started on the CPU as the trainer starts it (process group, RPC for the
+    built-in Pipe): (cfg, plan, engine, trainer, rpc_file). Also used by tests/host_sync_worker.py."""
+    cfg = bench.parse_args(argv)
     bench.resolve(cfg, cuda=False)
     plan = bench.make_plan(cfg, cuda=False)
     engine = bench.pick_engine(cfg.engine)
     bench.init_distributed(120, cuda=False)
     rpc_file = bench.init_rpc_for_pipe() if engine == "torch-pipe" else None
-    rank, world = idr_torch.rank, idr_torch.size
     trainer = bench.Replica(cfg, plan, engine)
     trainer.start()
+    return cfg, plan, engine, trainer, rpc_file
+
+
+def stop_replica(trainer, rpc_file) -> None:
+    trainer.close()
+    if rpc_file is not None:
+        torch.distributed.rpc.shutdown()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    cfg, plan, engine, trainer, rpc_file = start_replica(sys.argv[2:])
+    rank, world = idr_torch.rank, idr_torch.size
     trainer.optimizer.step = lambda *a, **k: None  # gradients only: the step's update must not run
     x, y = global_batch(cfg, world)
     shard = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
     stats = trainer.train_step(x[shard], y[shard])  # (loss x samples, correct, samples)
     torch.save({"loss": stats[0] / stats[2], "engine": engine, "nb_part": plan.nb_part,
                 "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters()}}, out_dir / f"rank{rank}.pt")
-    trainer.close()
-    if rpc_file is not None:
-        torch.distributed.rpc.shutdown()
-    torch.distributed.destroy_process_group()
+    stop_replica(trainer, rpc_file)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def without_gpu(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """A benchmark (a path under the kit) run on this machine with no GPU visible: its one-line refusals."""
+    return subprocess.run([sys.executable, str(ROOT / script), *args], env=clean_env(CUDA_VISIBLE_DEVICES=""),
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def srun_envs(ntasks: int, nodes: int = 1, port: int | None = None, job_id: str = "777") -> list[dict[str, str]]:
     """SLURM_* of every task of `srun -N nodes -n ntasks --ntasks-per-node ntasks/nodes` on this host."""
     per_node = ntasks // nodes

@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, clean_env
+from launch import ROOT, clean_env, without_gpu
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_all  # noqa: E402
 
 
 def test_no_gpu_is_said_in_one_line_and_exits_non_zero():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_all.py")],
-                       env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120)
+    r = without_gpu("benchmarks/gpu_all.py")
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_all: error: no CUDA GPU here"), r.stderr
@@ -168,6 +167,5 @@ def test_the_budget_fits_eight_minutes():
 @pytest.mark.parametrize("args,needle", [(["--budget", "0"], "--budget 0 must be at least 1 second"),
                                          (["--only", "gpu_check,trian"], "--only: no step trian; the steps: train,")])
 def test_bad_arguments_name_the_value(args, needle):
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_all.py"), *args],
-                       env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=60)
+    r = without_gpu("benchmarks/gpu_all.py", *args, timeout=60)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -2,21 +2,19 @@
 (the interleaving, the medians, the bare loop in as many processes as the script's tasks); the GPU run needs one."""
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 
 import pytest
 
-from launch import ROOT, clean_env
+from launch import ROOT, without_gpu
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check as g  # noqa: E402
 
 
 def gpu_check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args],
-                          env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120)
+    return without_gpu("benchmarks/gpu_check.py", *args)
 
 
 def test_no_gpu_is_refused_in_one_line():

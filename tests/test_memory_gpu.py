@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from launch import ROOT, clean_env
+from launch import ROOT, clean_env, without_gpu
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -76,8 +76,7 @@ def test_the_tracked_step_keeps_the_model_alive_in_its_process():
 
 
 def test_no_gpu_is_refused_in_one_line():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_gpu.py")],
-                       env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120)
+    r = without_gpu("benchmarks/memory_gpu.py")
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("memory_gpu: no CUDA GPU here"), r.stderr
@@ -86,8 +85,7 @@ def test_no_gpu_is_refused_in_one_line():
 @pytest.mark.parametrize("args,needle", [(["--jobs", "0"], "--jobs 0 must be at least 1"),
                                          (["--nb-part", "0"], "--nb-part 0 must be at least 1")])
 def test_bad_arguments_name_the_value(args, needle):
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_gpu.py"), *args],
-                       env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120)
+    r = without_gpu("benchmarks/memory_gpu.py", *args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
