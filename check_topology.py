@@ -2649,14 +2649,16 @@ CATCHES = {
     "hint-missing": ("warning", "--hint=nomultithread missing"),
     "time-missing": ("warning", "--time missing: 10 minutes on Jean Zay's GPU partitions"),
     "bad-time": ("error", "a --time Slurm does not read"),
-    "time-over-qos": ("error", "--time above the QoS or partition limit (dev 2 h, t3 20 h, t4 100 h; A100 20 h; "
-                      "prepost 20 h)"),
+    "time-over-qos": ("error/warning", "--time above the QoS or partition limit (dev 2 h, t3 20 h, t4 100 h; A100 "
+                      "20 h; prepost 20 h); a warning where only the default QoS's limit is passed (an association "
+                      "may default to a longer one)"),
     "account-mismatch": ("error", "an account suffix (@v100, @a100, @h100, @cpu) that does not match the nodes asked "
                          "for"),
     "arch-module-missing": ("error/warning", "H100 nodes without module load arch/h100 first (an error); A100 80 GB "
                             "nodes without module load cpuarch/amd (a warning)"),
     "constraint-unavailable": ("error", "a -C feature no node of the partition has, or a retired partition"),
-    "qos-mismatch": ("error", "a --qos of another node type (qos_gpu-t4 on A100, which has none)"),
+    "qos-mismatch": ("error/warning", "a --qos of another node type (qos_gpu-t4 on A100, which has none: an error); a "
+                     "QoS the table does not know (qos_gpu-gc, a project's grant: a warning naming sacctmgr)"),
     "qos-limit": ("error", "more GPUs (or cores) than the QoS allows a job"),
     "engine-unavailable": ("error", "--engine torch-pipe with a pytorch-gpu/py3/2.4+ module"),
     "torch-too-old": ("error", "bench_stage.py with a pytorch-gpu/py3 module older than 2.4"),
@@ -3508,6 +3510,14 @@ JEAN_ZAY = {
     "archive": NodeType("data-management nodes (archive)", ("archive",), 0, None, None, (), (), {}, 20, 120),
     "compil": NodeType("compilation nodes (compil)", ("compil", "compil_h100"), 0, None, None, (), (), {}, 20, 120),
 }
+# The date of the table above (its last review against the sources named there), and how a finding it alone decides
+# is worded: the site's documented rule, not Slurm's configuration (issue 33: a project's grants are in no table).
+JEAN_ZAY_DATE = "2026-12-01"
+TABLE_SAYS = f"Jean Zay's documented rule (table of {JEAN_ZAY_DATE})"
+TABLE_QOS = f"Jean Zay's documented QoS (table of {JEAN_ZAY_DATE})"
+# What settles what the table cannot know, on a Jean Zay login node: the user's accounts and QoS, and a QoS's limits.
+ASSOC_COMMAND = "sacctmgr show assoc where user=$USER format=account,partition,qos,defaultqos"
+QOS_COMMAND = "sacctmgr show qos format=name,maxwall,maxtrespu,maxtrespa,maxjobspu"
 RETIRED_PARTITIONS = {"gpu_p1": "-C v100-32g", "gpu_p3": "-C v100-16g"}  # merged into gpu_p13 on 8/12/2020 (IDRIS)
 FEATURE_TYPES = {f: name for name, t in JEAN_ZAY.items() for f in t.features}
 PARTITION_TYPES = {p: name for name, t in JEAN_ZAY.items() for p in t.partitions}
@@ -3635,8 +3645,12 @@ def check_cpus(job: Job, gpus_per_task: int, tasks_per_node: list[int], findings
 
 def qos_of(job: Job) -> tuple[str | None, str | None]:
     """(family, level) of --qos: qos_gpu_h100-t4 -> (qos_gpu_h100, t4); (None, None) without --qos."""
-    m = re.fullmatch(r"(qos_\w+?)-(dev|t3|t4)", (job.qos or "").lower())
-    return (m.group(1), m.group(2)) if m else ((job.qos.lower(), None) if job.qos else (None, None))
+    return qos_words(job.qos)
+
+
+def qos_words(qos: str | None) -> tuple[str | None, str | None]:
+    m = re.fullmatch(r"(qos_\w+?)-(dev|t3|t4)", (qos or "").lower())
+    return (m.group(1), m.group(2)) if m else ((qos.lower(), None) if qos else (None, None))
 
 
 def check_time(job: Job, findings: Findings) -> None:
@@ -3659,22 +3673,30 @@ def check_time(job: Job, findings: Findings) -> None:
         return  # a partition that isn't Jean Zay's
     family, level = qos_of(job)
     shown = "unlimited" if minutes == float("inf") else f"{minutes / 60:.1f} h"
+    implicit = False
     if t.qos and level in t.qos_hours and family in t.qos:
         limit, name = t.qos_hours[level], job.qos
-    elif t.qos and not job.qos:
+    elif t.qos and not job.qos:  # the association's default QoS: the table knows the documented one only
         level = next(iter(t.qos_hours))
-        limit, name = t.qos_hours[level], f"the default QoS ({t.qos[0]}-{level})"
+        limit, name, implicit = t.qos_hours[level], f"the default QoS ({t.qos[0]}-{level})", True
     elif not t.qos:
         limit, name = t.max_hours, f"{t.label.split(' (')[0]} ({t.partitions[0]})"
+    elif not qos_in_table(job.qos):  # a project's own QoS (check_qos says so): its limit is its grant's
+        limit, name = t.max_hours, f"the partition {t.partitions[0]}"
     else:  # a QoS of other nodes (check_qos says so): the longest these nodes have
         limit, name = max(t.qos_hours.values()), f"the longest QoS of {t.label}"
     if minutes > limit * 60:
         longer = [q for q, h in t.qos_hours.items() if h * 60 >= minutes]
-        findings.error("time-over-qos",
-                       f"--time={job.time} ({shown}) is over the {limit:g} h of {name}: Slurm won't run the job; "
-                       + (f"add --qos={t.qos[0]}-{longer[0]} (up to {t.qos_hours[longer[0]]} h)" if longer else
-                          f"use --time <= {max(list(t.qos_hours.values()) or [t.max_hours]):g}:00:00 and resume from "
-                          "a checkpoint"))
+        fix = (f"add --qos={t.qos[0]}-{longer[0]} (up to {t.qos_hours[longer[0]]} h)" if longer else
+               f"use --time <= {max(list(t.qos_hours.values()) or [t.max_hours]):g}:00:00 and resume from a checkpoint")
+        if implicit and minutes <= t.max_hours * 60:  # a project's association may default to a longer QoS
+            findings.warn("time-over-qos", f"--time={job.time} ({shown}) is over the {limit:g} h of {name}, "
+                          f"{TABLE_SAYS}: Slurm won't run a job left on it (refused, or pending with "
+                          f"QOSMaxWallDurationPerJobLimit); {fix}, "
+                          f"unless your association's default QoS is longer (`{ASSOC_COMMAND}`)")
+        else:
+            findings.error("time-over-qos", f"--time={job.time} ({shown}) is over the {limit:g} h of {name}, "
+                           f"{TABLE_SAYS}: Slurm won't run the job; {fix}")
 
 
 def check_jean_zay(job: Job, findings: Findings, gpus_asked: int | None = None,
@@ -3712,20 +3734,31 @@ def check_jean_zay(job: Job, findings: Findings, gpus_asked: int | None = None,
             findings.warn("arch-module-missing", msg)
 
 
+def qos_in_table(qos: str | None) -> bool:
+    """Whether --qos is a family and level of Jean Zay's table (qos_gpu-t3, qos_gpu_a100-t4: known words, whether or
+    not those nodes have it); qos_gpu-gc, a QoS granted to one project, is not: no table can know it."""
+    family, level = qos_words(qos)
+    return bool(level) and any(family in t.qos for t in JEAN_ZAY.values())
+
+
 def check_qos(job: Job, t: NodeType, gpus_asked: int | None, cores_asked: int | None, findings: Findings) -> None:
     family, level = qos_of(job)
     if not job.qos or not t.qos:
         return
+    valid = ", ".join(f"{t.qos[0]}-{q}" for q in t.qos_hours)
+    if not qos_in_table(job.qos):
+        findings.warn("qos-mismatch", f"--qos={job.qos} is not in {TABLE_QOS} for {t.label} ({valid}): a project "
+                      f"may be granted its own QoS; `{ASSOC_COMMAND}` lists yours and `{QOS_COMMAND}` their limits")
+        return
     if family not in t.qos or level not in t.qos_hours:
-        valid = ", ".join(f"{t.qos[0]}-{q}" for q in t.qos_hours)
-        findings.error("qos-mismatch", f"--qos={job.qos} is not a QoS of {t.label}: Slurm refuses the job ('Invalid "
-                       f"qos specification'); use one of {valid}")
+        findings.error("qos-mismatch", f"--qos={job.qos} is not a QoS of {t.label}, {TABLE_SAYS}: Slurm refuses the "
+                       f"job ('Invalid qos specification'); use one of {valid}")
         return
     limit = t.qos_limit.get(level)
     count, unit = (gpus_asked, "GPUs") if t.gpus else (cores_asked, "cores")
     if limit and count and count > limit:
-        findings.error("qos-limit", f"--qos={job.qos} allows at most {limit} {unit} per job and this job asks for "
-                       f"{count}: it would wait forever (or be refused); use fewer {unit}"
+        findings.error("qos-limit", f"--qos={job.qos} allows at most {limit} {unit} per job ({TABLE_SAYS}) and this "
+                       f"job asks for {count}: it would wait forever (or be refused); use fewer {unit}"
                        + (" or --qos=" + t.qos[0] + "-t3 (20 h)" if level == "t4" else ""))
 
 DEFAULT_TIME_MINUTES = 10  # Jean Zay's GPU partitions, when the node type isn't known

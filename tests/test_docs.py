@@ -157,6 +157,10 @@ QUOTED = {
     "srun python ...": "a form of launch line, the program left out",
     "python -X importtime": "Python's own import timer, named as a figure's source: no command of the kit",
     "sacctmgr show assoc": "the site's accounting command, named as the source of a Jean Zay fact; it needs Jean Zay",
+    "sacctmgr show assoc where user=$USER format=account,partition,qos,defaultqos":
+        "the site's accounting command the checker names where its table cannot know a project's grants; needs slurmdbd",
+    "sacctmgr show qos format=name,maxwall,maxtrespu,maxtrespa,maxjobspu":
+        "the site's accounting command the checker names for a granted QoS's limits; needs slurmdbd",
     "python -c \"import pickle, sys; print(pickle.load(open(sys.argv[1], 'rb')))\" nccl_trace_<job>/rank_0":
         "reads a dump that nccl's flight recorder writes on a GPU; no dump exists without one",
 }
