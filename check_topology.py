@@ -2653,13 +2653,14 @@ CATCHES = {
                       "20 h; prepost 20 h); a warning where only the default QoS's limit is passed (an association "
                       "may default to a longer one)"),
     "account-mismatch": ("error", "an account suffix (@v100, @a100, @h100, @cpu) that does not match the nodes asked "
-                         "for"),
+                         "for; live: an account none of your associations has"),
     "arch-module-missing": ("error/warning", "H100 nodes without module load arch/h100 first (an error); A100 80 GB "
                             "nodes without module load cpuarch/amd (a warning)"),
     "constraint-unavailable": ("error", "a -C feature no node of the partition has, or a retired partition"),
     "qos-mismatch": ("error/warning", "a --qos of another node type (qos_gpu-t4 on A100, which has none: an error); a "
                      "QoS the table does not know (qos_gpu-gc, a project's grant: a warning naming sacctmgr)"),
-    "qos-limit": ("error", "more GPUs (or cores) than the QoS allows a job"),
+    "qos-limit": ("error", "more GPUs (or cores) than the QoS allows a job (or, live, a user)"),
+    "partition-unknown": ("error", "-p names no partition of Slurm's configuration here (--site live)"),
     "engine-unavailable": ("error", "--engine torch-pipe with a pytorch-gpu/py3/2.4+ module"),
     "torch-too-old": ("error", "bench_stage.py with a pytorch-gpu/py3 module older than 2.4"),
     # memory (the section *Will it fit?*)
@@ -2745,6 +2746,10 @@ class Job:
     sourced: list[str] = field(default_factory=list)  # files the script sources (not read)
     torch_version: str | None = None  # inside an allocation: the torch installed there
     unplanned: str | None = None  # why nothing is planned (a count no node has): the findings say it all
+    # whose rules judge the account, QoS and time: "jean-zay" (the dated table), "live" (Slurm's configuration here,
+    # in `site`: a site_slurm.SiteFacts), "none" (Slurm's own behaviour only)
+    site_rules: str = "jean-zay"
+    site: object = None
 
 # The option tables of Slurm 22.05 (Debian bookworm's slurm-wlm): every option `man sbatch` / `man srun` list, with
 # r = takes a value, o = an optional value (only as --name=value), n = a flag; plus the undocumented aliases the real
@@ -3653,8 +3658,8 @@ def qos_words(qos: str | None) -> tuple[str | None, str | None]:
     return (m.group(1), m.group(2)) if m else ((qos.lower(), None) if qos else (None, None))
 
 
-def check_time(job: Job, findings: Findings) -> None:
-    """--time against the QoS's limit and the partition's, on Jean Zay."""
+def check_time(job: Job, findings: Findings, limits: bool = True) -> None:
+    """--time against the QoS's limit and the partition's, on Jean Zay (limits=False: its form only)."""
     if job.time == "allocated":  # inside the allocation the limit is already granted
         return
     ntype = node_type(job)
@@ -3669,8 +3674,8 @@ def check_time(job: Job, findings: Findings) -> None:
     if minutes is None:
         findings.error("bad-time", f"--time={job.time!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
         return
-    if t is None:
-        return  # a partition that isn't Jean Zay's
+    if t is None or not limits:
+        return  # a partition that isn't Jean Zay's, or the limits are Slurm's own (check_live) or not judged
     family, level = qos_of(job)
     shown = "unlimited" if minutes == float("inf") else f"{minutes / 60:.1f} h"
     implicit = False
@@ -3700,7 +3705,7 @@ def check_time(job: Job, findings: Findings) -> None:
 
 
 def check_jean_zay(job: Job, findings: Findings, gpus_asked: int | None = None,
-                   cores_asked: int | None = None) -> None:
+                   cores_asked: int | None = None, table_qos: bool = True) -> None:
     """The account's hours, the QoS's family and size, the modules the nodes need (IDRIS: a project spends V100,
     A100, H100 or CPU hours through <project>@v100, @a100, @h100 or @cpu; sources at JEAN_ZAY)."""
     ntype = node_type(job)
@@ -3714,10 +3719,10 @@ def check_jean_zay(job: Job, findings: Findings, gpus_asked: int | None = None,
         owner = next((n for n, r in JEAN_ZAY.items() if suffix in r.accounts), "v100-4")
         findings.error("account-mismatch",
                        f"--account={job.account} spends {suffix.upper()} hours but the job asks for {t.label} "
-                       f"({where}); use --account=<project>@{t.accounts[0]}, or "
+                       f"({where}), {TABLE_SAYS}; use --account=<project>@{t.accounts[0]}, or "
                        f"{'-p ' + JEAN_ZAY[owner].partitions[0] if suffix != 'v100' else '-p gpu_p13'} for the nodes "
                        "of that account")
-    if job.time != "allocated":  # a running job already has its account and QoS
+    if job.time != "allocated" and table_qos:  # a running job already has its account and QoS
         check_qos(job, t, gpus_asked, cores_asked, findings)
     mods = job.modules
     if not t.arch or not mods:
@@ -3760,6 +3765,88 @@ def check_qos(job: Job, t: NodeType, gpus_asked: int | None, cores_asked: int | 
         findings.error("qos-limit", f"--qos={job.qos} allows at most {limit} {unit} per job ({TABLE_SAYS}) and this "
                        f"job asks for {count}: it would wait forever (or be refused); use fewer {unit}"
                        + (" or --qos=" + t.qos[0] + "-t3 (20 h)" if level == "t4" else ""))
+
+# What Slurm does with a job its configuration forbids, measured on the test cluster with slurmdbd
+# (tests/test_site_slurmdbd.py): refused at submission, or accepted and then pending with this reason forever.
+PENDING = {"wall": "QOSMaxWallDurationPerJobLimit", "gpu_job": "QOSMaxGRESPerJob", "gpu_user": "QOSMaxGRESPerUser",
+           "cpu_job": "QOSMaxCpuPerJobLimit", "cpu_user": "QOSMaxCpuPerUserLimit", "part_time": "PartitionTimeLimit"}
+REFUSED = {"partition": "Invalid partition name specified", "qos": "Invalid qos specification",
+           "account": "Invalid account or account/partition combination specified",
+           "deny": "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)",
+           "part_time": "Requested time limit is invalid (missing or exceeds some limit)"}
+
+
+def fate(refused: str | None, pending: str) -> str:
+    """How a job Slurm won't run fails: at submission (sbatch's message) or pending forever (squeue's reason)."""
+    return (f"sbatch refuses it ('{REFUSED[refused]}')" if refused else
+            f"sbatch accepts it and it pends forever (squeue's reason: {PENDING[pending]})")
+
+
+def check_live(job: Job, facts, gpus: int | None, cores: int | None, findings: Findings) -> None:
+    """The partition, account, QoS and their limits as Slurm's configuration here states them (a site_slurm.SiteFacts
+    read by --site live): the site's own rules, in place of the table's."""
+    if job.time == "allocated":  # a running job already has its partition, account and QoS
+        return
+    here = f"Slurm's configuration here ({facts.cluster or 'this cluster'}, Slurm {facts.version})"
+    names = [p for p in (job.partition or "").split(",") if p] or \
+        [n for n, p in facts.partitions.items() if p["default"]][:1]
+    unknown = [p for p in names if p not in facts.partitions]
+    if unknown:
+        findings.error("partition-unknown", f"-p {unknown[0]} is not a partition of {here}: "
+                       f"{fate('partition', '')}; use one of {', '.join(sorted(facts.partitions))}")
+        return
+    part = facts.partitions[names[0]] if names else None
+    qos = live_qos(job, facts, names[0] if names else "", here, findings)
+    if qos is False:
+        return
+    live_limits(job, facts, part, names[0] if names else "", qos, gpus, cores, here, findings)
+
+
+def live_qos(job: Job, facts, partition: str, here: str, findings: Findings):
+    """The QoS the job runs under (its --qos, else its association's default), or False where Slurm refuses the
+    account or the QoS."""
+    assocs = [a for a in facts.assocs if a["partition"] in ("", partition)]
+    accounts = sorted({a["account"] for a in assocs})
+    if job.account and facts.enforces("associations") and job.account.lower() not in accounts:
+        findings.error("account-mismatch", f"--account={job.account} is none of your associations in {here} "
+                       f"({', '.join(accounts) or 'none'}): {fate('account', '')}; `{ASSOC_COMMAND}` lists them")
+        return False
+    mine = [a for a in assocs if not job.account or a["account"] == job.account.lower()]
+    allowed = sorted({q for a in mine for q in a["qos"]})
+    if not job.qos:
+        return next((a["default_qos"] for a in mine if a["default_qos"]), None)
+    if facts.enforces("qos") and job.qos.lower() not in allowed:
+        findings.error("qos-mismatch", f"--qos={job.qos} is not among your QoS in {here}"
+                       f"{' for --account=' + job.account if job.account else ''} ({', '.join(allowed) or 'none'}): "
+                       f"{fate('qos', '')}; use one of them, or ask for it (`{ASSOC_COMMAND}` lists yours)")
+        return False
+    return job.qos.lower()
+
+
+def live_limits(job: Job, facts, part: dict | None, partition: str, qos: str | None, gpus: int | None,
+                cores: int | None, here: str, findings: Findings) -> None:
+    """--time against the QoS's MaxWall and the partition's MaxTime; the GPUs and cores against the QoS's per-job
+    and per-user TRES limits (enforced with AccountingStorageEnforce=limits; DenyOnLimit refuses at submission)."""
+    q = facts.qos.get(qos) if qos and facts.enforces("limits") else None
+    deny = "deny" if q and "DenyOnLimit" in q["flags"] else None
+    minutes = time_minutes(job.time) if job.time else None
+    wall = time_minutes(q["max_wall"]) if q and q["max_wall"] else None
+    longest = time_minutes(part["max_time"]) if part and part["max_time"] else None
+    shown = f"--time={job.time} ({minutes / 60:.1f} h)" if minutes and minutes != float("inf") else f"--time={job.time}"
+    if minutes and wall and minutes > wall and "PartitionTimeLimit" not in (q or {}).get("flags", ""):
+        findings.error("time-over-qos", f"{shown} is over QoS {qos}'s MaxWall {q['max_wall']} in {here}: "
+                       f"{fate(deny, 'wall')}; use --time <= {q['max_wall']} or a QoS of yours that allows it")
+    elif minutes and longest and minutes > longest:
+        refused = "part_time" if facts.enforce_part_limits.upper() in ("ANY", "ALL", "YES") else None
+        findings.error("time-over-qos", f"{shown} is over partition {partition}'s MaxTime {part['max_time']} in "
+                       f"{here}: {fate(refused, 'part_time')}; use --time <= {part['max_time']}")
+    for count, tres, unit in ((gpus, "gres/gpu", "GPUs"), (cores, "cpu", "cores")):
+        key = "gpu" if unit == "GPUs" else "cpu"
+        for scope, limits in (("job", q["max_tres"] if q else {}), ("user", q["max_tres_pu"] if q else {})):
+            if count and tres in limits and count > limits[tres]:
+                findings.error("qos-limit", f"the job asks for {count} {unit} and QoS {qos} allows {limits[tres]} "
+                               f"per {scope} in {here}: {fate(deny, f'{key}_{scope}')}; use fewer {unit}")
+                return
 
 DEFAULT_TIME_MINUTES = 10  # Jean Zay's GPU partitions, when the node type isn't known
 
@@ -5399,13 +5486,17 @@ def check_kit(report: Report, procs_per_node: list[int], gpn: int | None) -> Non
 
 
 def check_site(job: Job, tasks_per_node: list[int], gpus_per_task: int, gpn: int | None, findings: Findings) -> None:
-    """The cores, the time, the nodes and Jean Zay's accounts, QoS and modules: the same for every program."""
+    """The cores, the time, the nodes and the site's accounts, QoS and modules: the same for every program. The
+    account, QoS and time limits are the dated table's, or Slurm's own read here (check_live), or none (--site)."""
     check_cpus(job, gpus_per_task, tasks_per_node, findings)
-    check_time(job, findings)
+    live = job.site_rules == "live" and job.site is not None
+    check_time(job, findings, limits=job.site_rules == "jean-zay")
     check_nodes(job, findings)
-    nodes = len(tasks_per_node)
-    check_jean_zay(job, findings, gpus_asked=(gpn or 0) * nodes or None,
-                   cores_asked=sum(tasks_per_node) * (job.cpus_per_task or 1))
+    gpus, cores = (gpn or 0) * len(tasks_per_node) or None, sum(tasks_per_node) * (job.cpus_per_task or 1)
+    if live:
+        check_live(job, job.site, gpus, cores, findings)
+    if job.site_rules != "none":
+        check_jean_zay(job, findings, gpus_asked=gpus, cores_asked=cores, table_qos=not live)
 
 
 def check_steps_cpus(job: Job, findings: Findings) -> None:
@@ -6236,6 +6327,10 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--top", type=int, metavar="K", help="--advise: the first K splits only")
     mem.add_argument("--commands", action="store_true", help="--advise: each split as the line that runs it: "
                      "tasks per node, the trainer, its arguments (the sweep's predict mode reads them)")
+    p.add_argument("--site", choices=("auto", "live", "jean-zay", "none"), default="auto",
+                   help="whose account, QoS and time rules judge the job: live (Slurm's configuration here: "
+                        "scontrol, sacctmgr), jean-zay (the dated table), none; auto (the default): live where Slurm "
+                        f"answers within {SITE_READ_SECONDS:g} s, else the table")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -6378,6 +6473,33 @@ def override(args: argparse.Namespace, t: Training) -> Training:
     return t  # nlayers left None: check_job / task_facts take the trainer's default for GPU or CPU
 
 
+SITE_READ_SECONDS = 2.0  # the live read's deadline (site_slurm.READ_SECONDS)
+
+
+def use_site(job: Job, choice: str) -> str:
+    """Sets whose rules judge the job's account, QoS and time (--site); returns the report's note saying which."""
+    if choice in ("auto", "live"):
+        try:
+            import site_slurm  # here only: the table's path runs no command
+        except ImportError:  # copied without it: the table, said in the note (or refused, for --site live)
+            site_slurm = None
+        facts = site_slurm.site_facts() if site_slurm else None
+        if facts is not None:
+            job.site_rules, job.site = "live", facts
+            qos = (f"{len(facts.qos)} QoS and your {len(facts.assocs)} association(s)" if facts.accounting else
+                   "no accounting (no QoS or association limits)")
+            return (f"site rules: Slurm's configuration here ({facts.cluster}, Slurm {facts.version}: "
+                    f"{len(facts.partitions)} partitions, {qos}; read in {facts.read_seconds:.2f} s)")
+        if choice == "live":
+            raise UsageError("--site live: " + ("site_slurm.py is not beside check_topology.py; copy it there" if not
+                             site_slurm else f"Slurm does not answer here (scontrol absent, or no answer within "
+                             f"{SITE_READ_SECONDS:g} s)") + "; or use --site jean-zay (the dated table) or --site none")
+    job.site_rules = "none" if choice == "none" else "jean-zay"
+    return ("site rules: none (--site none): Slurm's own behaviour only, no account, QoS or time limit judged"
+            if choice == "none" else f"site rules: Jean Zay's documented table of {JEAN_ZAY_DATE}"
+            + (" (Slurm does not answer here)" if choice == "auto" else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -6403,8 +6525,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError("give either an sbatch file or planning flags (--nodes ...), not both")
             job, training, findings = read_sbatch(args.sbatch_file)
             job.gpu_mem = args.gpu_mem
+            note = use_site(job, args.site)
             report = check_job(job, override(args, training))
             report.findings[:0] = findings
+            report.notes.append(note)
         elif planning:
             missing = [f"--{k.replace('_', '-')}" for k in ("nodes", "gpus_per_node") if getattr(args, k) is None]
             if missing and not (args.gpus_per_task and args.nodes):

@@ -260,6 +260,7 @@ NOT_IN_CORPUS = {
     "does-not-fit": "tests/test_memory.py", "memory-tight": "tests/test_memory.py",
     "bf16-on-v100": "tests/test_memory.py", "tf32-on-v100": "tests/test_gpu_truth.py",
     "fp16-stage": "tests/test_options.py",
+    "partition-unknown": "tests/test_site_live.py (--site live on the local cluster: the table knows no other site)",
     "torch-release": "the trainers and their --check-args (tests/test_args.py); a job script's module line gives "
                      "engine-unavailable / torch-too-old",
     **{c: "test_stage_layout_findings" for c in ("pp-too-small", "pp-not-dividing-world", "pipeline-spans-nodes",

@@ -23,7 +23,8 @@ import pytest
 from launch import ROOT, clean_env
 
 pytestmark = pytest.mark.slurm
-SCRIPTS = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py")
+SCRIPTS = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py",
+           "site_slurm.py")
 OWNED = ("page_3nodes_4gpus.slurm", "page_2nodes_8gpus.slurm", "stage_2nodes_4gpus.slurm")
 CORES = len(os.sched_getaffinity(0))
 TASKS_PER_NODE = 2 if CORES >= 4 else 1

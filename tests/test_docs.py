@@ -166,6 +166,9 @@ QUOTED = {
 }
 # Commands a test runs for real (a Slurm or multi-process one): the pattern, and the test (file::function).
 COVERED = [
+    (r"^scontrol show (config|partition --oneliner)$",
+     "tests/test_site_live.py::test_live_partitions_agree_with_sbatch"),
+    (r"^sacctmgr -nP show (qos|assoc) ", "tests/test_site_live.py::test_a_read_is_cached_per_user_and_configuration"),
     (r"^srun\b.*\bpython check_topology\.py\b", "tests/test_launch_slurm.py::test_the_step_check_is_the_file_check"),
     (r"^python check_topology\.py$", "tests/test_launch_slurm.py::test_the_step_check_is_the_file_check"),
     (r"^srun\b.*\btorchrun\b", "tests/test_launch_slurm.py::test_srun_torchrun_workers_are_the_checkers_plan"),

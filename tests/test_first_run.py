@@ -16,8 +16,8 @@ from launch import ROOT, clean_env
 sys.path.insert(0, str(ROOT / "slurm"))
 import first_run_report  # noqa: E402
 
-KIT = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py", "benchmarks",
-       "slurm/first_run.slurm", "slurm/first_run_report.py", "slurm/report.py")
+KIT = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py", "site_slurm.py",
+       "benchmarks", "slurm/first_run.slurm", "slurm/first_run_report.py", "slurm/report.py")
 
 
 @pytest.mark.slurm

@@ -18,7 +18,8 @@ import idr_torch
 from launch import ROOT, clean_env
 
 pytestmark = pytest.mark.slurm
-SCRIPTS = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py")
+SCRIPTS = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py",
+           "site_slurm.py")
 TEMPLATES = sorted((ROOT / "slurm").glob("*.slurm"))
 
 
