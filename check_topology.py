@@ -27,7 +27,8 @@ One file, in two parts, because users copy it next to the trainers and both trai
            their refusals are the checker's findings.
   Part II  the pre-flight checker: II.1 what it catches, II.2 Slurm 22.05 (the request, the option tables, the
            option values sbatch checks, the placement of tasks and GPUs: a port to a newer Slurm touches this
-           block), II.3 Jean Zay in one table, II.4 reading a job script (the file, sbatch's directives, bash's
+           block), II.3 Jean Zay in one dated table, and Slurm's own rules where it answers (site_slurm.py reads
+           them; --site), II.4 reading a job script (the file, sbatch's directives, bash's
            commands, the launch lines), II.5 checking a job (the kit's trainer in depth, any other program at the
            Slurm and site level), II.6 the report, II.7 inside an allocation (the same checks), II.8 the command
            line. How it reads scripts, and the sources of its rules: docs/checker.md.
