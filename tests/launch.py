@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # the torch these tests run on, (major, minor): the one parse of its version for every test file
 TORCH = tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version("torch"))[:2])
 # what a test must never inherit from the machine it runs on
+# what a launcher, a job or nccl_environment() sets: a test's processes get only what the test gives them
 _STRIP = ("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC",
-          "CUDA_VISIBLE_DEVICES", "DSDIR", "SCRATCH")
+          "CUDA_VISIBLE_DEVICES", "DSDIR", "SCRATCH", "TORCH_NCCL_", "TORCH_FR_", "NCCL_")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -40,7 +40,7 @@ def test_a_configuration_runs_in_its_own_process_and_leaves_the_parent_no_parame
     conf = dict(precision="fp32", ckpt=False, nb_part=1, cpu=True, dropout=None, threads=1)
     got = memory_gpu.run_configuration(conf, timeout=240)
     assert "failed" not in got, got
-    assert live_parameters() == before
+    assert live_parameters() <= before  # none added here (an earlier test's garbage may have gone meanwhile)
     assert got["pid"] != os.getpid() and got["terms"] is not None
     rows = memory_gpu.term_rows(memory_gpu.model_of(True, None), conf, got, "cpu")
     ratios = [float(v) for row in rows for v in row.strip("| ").split(" | ")[3:] if v.strip()]

@@ -16,6 +16,13 @@ RELEASES = {"2.3.1": OLD, "2.4.1": OLD, "2.5.1": OLD, "2.6.0": OLD, "2.7.1": OLD
             "2.10.0": NEW, "2.11.0+cu130": NEW, "2.12.0": NEW, "2.13.0+cpu": NEW, "2.14.1": NEW}
 
 
+@pytest.fixture(autouse=True)
+def own_environment(monkeypatch):
+    """nccl_environment() writes os.environ itself: each test gets a copy, so that nothing it sets (an older
+    release's TORCH_NCCL_TRACE_BUFFER_SIZE) reaches the later tests' processes (torch 2.13 warns about that name)."""
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+
+
 @pytest.mark.parametrize("version", RELEASES)
 def test_flight_recorder_names_by_release(version):
     assert b.flight_recorder_names(version) == RELEASES[version]
