@@ -3770,7 +3770,8 @@ def check_qos(job: Job, t: NodeType, gpus_asked: int | None, cores_asked: int | 
 # What Slurm does with a job its configuration forbids, measured on the test cluster with slurmdbd
 # (tests/test_site_slurmdbd.py): refused at submission, or accepted and then pending with this reason forever.
 PENDING = {"wall": "QOSMaxWallDurationPerJobLimit", "gpu_job": "QOSMaxGRESPerJob", "gpu_user": "QOSMaxGRESPerUser",
-           "cpu_job": "QOSMaxCpuPerJobLimit", "cpu_user": "QOSMaxCpuPerUserLimit", "part_time": "PartitionTimeLimit"}
+           "cpu_job": "QOSMaxCpuPerJobLimit", "cpu_user": "QOSMaxCpuPerUserLimit", "part_time": "PartitionTimeLimit",
+           "allow_qos": "Job's QOS not permitted to use this partition"}  # (a sentence, not a code, in 22.05)
 REFUSED = {"partition": "Invalid partition name specified", "qos": "Invalid qos specification",
            "account": "Invalid account or account/partition combination specified",
            "deny": "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)",
@@ -3800,6 +3801,13 @@ def check_live(job: Job, facts, gpus: int | None, cores: int | None, findings: F
     qos = live_qos(job, facts, names[0] if names else "", here, findings)
     if qos is False:
         return
+    allow = part["allow_qos"] if part else "ALL"
+    if qos and allow.upper() != "ALL" and qos not in allow.lower().split(","):
+        # slurm.conf(5) AllowQos: checked when the job is scheduled, not at submission (measured)
+        findings.error("qos-mismatch", f"QoS {qos}{'' if job.qos else ' (your association default)'} is not allowed "
+                       f"on partition {names[0]} in {here} (AllowQos={allow}): {fate(None, 'allow_qos')}; use one "
+                       f"of {allow}" + ("" if job.qos else " with --qos"))
+        return
     live_limits(job, facts, part, names[0] if names else "", qos, gpus, cores, here, findings)
 
 
@@ -3812,7 +3820,8 @@ def live_qos(job: Job, facts, partition: str, here: str, findings: Findings):
         findings.error("account-mismatch", f"--account={job.account} is none of your associations in {here} "
                        f"({', '.join(accounts) or 'none'}): {fate('account', '')}; `{ASSOC_COMMAND}` lists them")
         return False
-    mine = [a for a in assocs if not job.account or a["account"] == job.account.lower()]
+    account = (job.account or facts.default_account).lower()  # sbatch(1) --account: else the user's default
+    mine = [a for a in assocs if not account or a["account"] == account]
     allowed = sorted({q for a in mine for q in a["qos"]})
     if not job.qos:
         return next((a["default_qos"] for a in mine if a["default_qos"]), None)

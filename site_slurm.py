@@ -8,7 +8,8 @@ check_topology.py turns the facts into findings, and keeps the dated Jean Zay ta
 
 Each command gets the same deadline (READ_SECONDS, started together): a slow or absent controller costs a check at
 most that long, and then the table stands in. A good read is cached for CACHE_SECONDS per user and configuration,
-in ~/.cache/hybrid-kit/site/ (a login node's checks of several scripts ask Slurm once).
+in ~/.cache/hybrid-kit/site/ (a login node's checks of several scripts ask Slurm once). sacctmgr answers only
+where a slurmdbd does (AccountingStorageType=accounting_storage/slurmdbd): elsewhere Slurm enforces no QoS.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class SiteFacts:
     partitions: dict = field(default_factory=dict)  # name -> {max_time, default_time, allow_qos, qos, default}
     qos: dict = field(default_factory=dict)  # name -> {max_wall, max_tres, max_tres_pu, max_tres_pa, flags}
     assocs: list = field(default_factory=list)  # {account, partition, qos: [...], default_qos} of this user
+    default_account: str = ""  # the account a job without --account is charged to (sacctmgr show user)
 
     def enforces(self, what: str) -> bool:
         return self.accounting and what in self.enforce.lower().split(",")
@@ -61,7 +63,8 @@ def commands(user: str) -> dict[str, list[str]]:
     return {"config": ["scontrol", "show", "config"],
             "partitions": ["scontrol", "show", "partition", "--oneliner"],
             "qos": ["sacctmgr", "-nP", "show", "qos", f"format={QOS_FIELDS}"],
-            "assocs": ["sacctmgr", "-nP", "show", "assoc", "where", f"user={user}", f"format={ASSOC_FIELDS}"]}
+            "assocs": ["sacctmgr", "-nP", "show", "assoc", "where", f"user={user}", f"format={ASSOC_FIELDS}"],
+            "user": ["sacctmgr", "-nP", "show", "user", user, "format=defaultaccount"]}
 
 
 def run_all(cmds: dict[str, list[str]], deadline: float) -> dict[str, str | None]:
@@ -158,7 +161,9 @@ def read_live(user: str, seconds: float = READ_SECONDS) -> SiteFacts | None:
                      enforce_part_limits=config.get("EnforcePartLimits", "NO"),
                      partitions=parse_partitions(out["partitions"]),
                      qos=parse_qos(out["qos"]) if accounting else {},
-                     assocs=parse_assocs(out["assocs"]) if accounting else [])
+                     assocs=parse_assocs(out["assocs"]) if accounting else [],
+                     default_account=(out["user"] or "").strip().splitlines()[0] if accounting and out["user"]
+                     and out["user"].strip() else "")
 
 
 def cache_path(user: str) -> Path:

@@ -107,13 +107,14 @@ def test_a_read_is_cached_per_user_and_configuration(tmp_path):
     body = (f'echo "$0 $*" >> {calls}\ncase "$0 $1 $2" in\n*scontrol\\ show\\ config) printf "{config}";;\n'
             '*scontrol\\ show\\ partition) echo "PartitionName=gpu_p13 Default=YES MaxTime=UNLIMITED";;\n'
             '*sacctmgr*) if [[ "$*" == *assoc* ]]; then echo "abc@v100||qos_gpu-t3|qos_gpu-t3"; '
+            'elif [[ "$*" == *user* ]]; then echo abc@v100; '
             'else echo "qos_gpu-t3|20:00:00|gres/gpu=512||||"; fi;;\nesac')
     env = fake_slurm(tmp_path / "bin", body)
     env["SLURM_CONF"] = "/nonexistent/a.conf"
     first = checker(tmp_path, "-A abc@v100 -t 1:00:00", env=env)
     n = len(calls.read_text().splitlines())
     second = checker(tmp_path, "-A abc@v100 -t 1:00:00", env=env)
-    assert first[:2] == second[:2] and n == 4 and len(calls.read_text().splitlines()) == n, calls.read_text()
+    assert first[:2] == second[:2] and n == 5 and len(calls.read_text().splitlines()) == n, calls.read_text()
     assert any(x.startswith("site rules: Slurm's configuration here (jz, Slurm 22.05.8") for x in first[1]["notes"])
     env["SLURM_CONF"] = "/nonexistent/b.conf"
     checker(tmp_path, "-A abc@v100 -t 1:00:00", env=env)
