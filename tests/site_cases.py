@@ -23,7 +23,9 @@ What the measures say (Slurm 22.05.8, AccountingStorageEnforce=associations,limi
 - a QoS that is not in the association's list, or does not exist, and an account the user is not associated with
   are refused at submission, by --test-only too, and leave no job (no id, nothing in sacct);
 - a QoS the partition's AllowQos does not name is accepted, and pends forever with a sentence for its reason
-  ("Job's QOS not permitted to use this partition (gpu_p13 allows ... not qos_gpu_a100-t3)"), not a code.
+  ("Job's QOS not permitted to use this partition (gpu_p13 allows ... not qos_gpu_a100-t3)"), not a code. With
+  EnforcePartLimits=ALL in slurm.conf (measured once by hand, not by the tests) it is refused at submission instead,
+  by --test-only too: "Invalid qos specification"; the QoS limits still pend.
 """
 from __future__ import annotations
 
