@@ -94,13 +94,21 @@ lane-%:
 	 { echo "make: could not build lane torch $* in $$d; its row is left out of the matrix"; \
 	   [ "$$KIT_REQUIRE_LANES" != 1 ] || exit 1; }
 
-# Debian's slurm-wlm + munge for the real-Slurm tests (root only; the tests skip and say why otherwise).
+# Debian's slurm-wlm + munge for the real-Slurm tests, and slurmdbd + mariadb-server for the accounting ones
+# (tests/test_site_slurmdbd.py: QoS and associations enforced by a real slurmdbd). Root only; each group is installed
+# only if missing, and the tests that need a missing one skip and say why.
 slurm-deps:
 	@if command -v slurmctld >/dev/null && command -v munged >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) || \
 		echo "make: could not install slurm-wlm munge; the Slurm tests will skip and say why"; \
 	else echo "make: slurm-wlm not installed and not root; the Slurm tests will skip and say why"; fi
+	@if command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmdbd mariadb-server >/dev/null) || \
+		echo "make: could not install slurmdbd mariadb-server; the Slurm accounting tests will skip and say why"; \
+	else echo "make: slurmdbd or mariadb-server not installed and not root; the Slurm accounting tests will skip" \
+		"and say why (they need a real accounting database)"; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis runs report  # the lanes' venvs stay in $(VENV_CACHE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +27,7 @@ def skip_or_fail(reason: str, required_by: str) -> None:
 
 def started_cluster(variant: str = "default"):
     """A real local Slurm cluster of `variant` (tests/local_slurm.py), for a fixture to yield; stopped after."""
-    reason = unavailable_reason()
+    reason = unavailable_reason(variant)
     if reason:
         skip_or_fail(reason, "KIT_REQUIRE_SLURM")
     # under /tmp and world-traversable: munged and the job users must reach the munge socket
@@ -40,6 +41,7 @@ def started_cluster(variant: str = "default"):
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(root / "db", ignore_errors=True)  # the accounting variant's database (90 MB); logs stay
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +49,14 @@ def slurm_cluster():
     """A real Slurm cluster (slurmctld, one slurmd per node of local_slurm.PARTITIONS, munged) started once, stopped at
     the end of the session."""
     yield from started_cluster()
+
+
+@pytest.fixture(scope="session")
+def slurm_accounting():
+    """A real Slurm cluster whose slurmctld enforces QoS and associations kept by a real slurmdbd and MariaDB
+    (local_slurm.py's "accounting" variant: Jean Zay's QoS, accounts abc@v100, abc@a100, abc@cpu, xyz@v100). Skipped
+    where slurmdbd or mariadb-server is missing, a failure instead where KIT_REQUIRE_SLURM=1."""
+    yield from started_cluster("accounting")
 
 
 # ---- the matrix: every lane (one venv per torch release) records what its compat-marked tests showed ----------------

@@ -2,6 +2,7 @@
 
     python tests/local_slurm.py start DIR     # writes DIR/env.sh (SLURM_CONF=...), prints it
     python tests/local_slurm.py start DIR affinity   # the CPU-binding variant (below)
+    python tests/local_slurm.py start DIR accounting # QoS and associations enforced by a real slurmdbd (below)
     python tests/local_slurm.py stop DIR      # stops the daemons by their pid files
 
 Layout (mirrors Jean Zay's partitions, small):
@@ -18,14 +19,30 @@ Facts this relies on (slurm-wlm 22.05 on Debian bookworm):
   TaskPlugin=task/none launches steps;
 - fake GPUs must be character devices (mknod c 195 N) for Slurm to set CUDA_VISIBLE_DEVICES;
 - state persists between starts, so every start begins from a wiped state directory.
+With accounting (the "accounting" variant):
+- slurmctld and the clients reach slurmdbd through munge too: with a private munged its socket must be named by
+  AccountingStoragePass (slurm.conf(5)), else they try /run/munge;
+- slurmctld resolves a partition's AllowQos names once, when it starts: the QoS must exist in slurmdbd before;
+- the gres/gpu TRES exists in slurmdbd only once slurmctld has registered it (AccountingStorageTRES=gres/gpu), and
+  sacctmgr refuses a QoS limit on a TRES it does not know: the GPU limits are set after slurmctld starts;
+- '@' in an account name (Jean Zay's abc@v100) is accepted by sacctmgr and sbatch.
 
 The "affinity" variant binds CPUs as a production cluster does (TaskPlugin=task/affinity: each task may run only on
 the cores Slurm gave it). It needs nodes that advertise no more CPUs than this machine has, so its nodes
 (AFFINITY_PARTITIONS) have the machine's own count (2 here) and it runs without config_overrides.
+
+The "accounting" variant enforces Jean Zay's QoS and associations as slurmctld does with a real database
+(slurm.conf(5) AccountingStorageEnforce=associations,limits,qos): a private MariaDB server (its own datadir, socket
+and port under DIR, run as root with --user=root, no system service), a slurmdbd on a free port
+(StorageType=accounting_storage/mysql), and the QoS, accounts and the submitting user's associations of
+ACCOUNTING_QOS / ACCOUNTING_ACCOUNTS loaded with `sacctmgr -i` before slurmctld starts. Its nodes
+(ACCOUNTING_PARTITIONS) give gpu_p13 20 GPUs, so that a job over qos_gpu-t4's 16 fits the partition and Slurm
+judges it by the QoS alone; each partition's AllowQos names the QoS of its node type (ACCOUNTING_ALLOW_QOS).
 """
 from __future__ import annotations
 
 import os
+import pwd
 import random
 import shutil
 import signal
@@ -50,6 +67,48 @@ AFFINITY_PARTITIONS = {
     "bind": (["bind1", "bind2"], 4, len(os.sched_getaffinity(0)), "v100,v100-32g"),
 }
 
+# ---- the "accounting" variant: Jean Zay's QoS and a project's accounts, loaded into a real slurmdbd -----------------
+ACCOUNTING_PARTITIONS = {
+    "gpu_p13": ([f"v100n{i}" for i in range(1, 6)], 4, 40, "v100,v100-16g,v100-32g"),
+    "gpu_p5": (["a100n1"], 8, 64, "a100"),
+    "cpu_p1": (["cpun1"], 0, 40, "cpu"),
+}
+
+# name: (MaxWall, MaxTRESPerJob), sacctmgr(1) "add qos". IDRIS's table as check_topology.py quotes it (qos_gpu-t3 20 h
+# 512 GPUs, -t4 100 h 16 GPUs, -dev 2 h 32 GPUs; qos_cpu-t3 20 h 20480 cores, -t4 100 h 160, -dev 2 h 5120; the A100
+# QoS's per-job GPU limits are not documented: none here). qos_gpu-gc stands for a project's own grant (200 h, 64 GPUs).
+# The GPU limits apply only because slurm.conf tracks the TRES (AccountingStorageTRES=gres/gpu).
+ACCOUNTING_QOS = {
+    "qos_gpu-t3": ("20:00:00", "gres/gpu=512"),
+    "qos_gpu-t4": ("4-04:00:00", "gres/gpu=16"),
+    "qos_gpu-dev": ("02:00:00", "gres/gpu=32"),
+    "qos_gpu_a100-t3": ("20:00:00", ""),
+    "qos_gpu_a100-dev": ("02:00:00", ""),
+    "qos_cpu-t3": ("20:00:00", "cpu=20480"),
+    "qos_cpu-t4": ("4-04:00:00", "cpu=160"),
+    "qos_cpu-dev": ("02:00:00", "cpu=5120"),
+    "qos_gpu-gc": ("8-08:00:00", "gres/gpu=64"),
+}
+
+# Jean Zay's <project>@<hours> accounts: account: (its QoS list, its DefaultQOS). The submitting user is associated
+# with each one (DefaultAccount: the first); only xyz@v100 holds the project QoS qos_gpu-gc.
+ACCOUNTING_ACCOUNTS = {
+    "abc@v100": (("qos_gpu-t3", "qos_gpu-t4", "qos_gpu-dev"), "qos_gpu-t3"),
+    "abc@a100": (("qos_gpu_a100-t3", "qos_gpu_a100-dev"), "qos_gpu_a100-t3"),
+    "abc@cpu": (("qos_cpu-t3", "qos_cpu-t4", "qos_cpu-dev"), "qos_cpu-t3"),
+    "xyz@v100": (("qos_gpu-t3", "qos_gpu-t4", "qos_gpu-dev", "qos_gpu-gc"), "qos_gpu-t3"),
+}
+
+# partition: its AllowQos (slurm.conf(5) PartitionName): the QoS of its node type. An assumption: Jean Zay's own
+# partitions' AllowQos was not read (`scontrol show partition` there says).
+ACCOUNTING_ALLOW_QOS = {
+    "gpu_p13": "qos_gpu-t3,qos_gpu-t4,qos_gpu-dev,qos_gpu-gc",
+    "gpu_p5": "qos_gpu_a100-t3,qos_gpu_a100-dev",
+    "cpu_p1": "qos_cpu-t3,qos_cpu-t4,qos_cpu-dev",
+}
+
+VARIANTS = {"default": PARTITIONS, "affinity": AFFINITY_PARTITIONS, "accounting": ACCOUNTING_PARTITIONS}
+
 # `sbatch --wait` polls the job at 2, 8, then 32 s intervals, and stays at 2 s only while MinJobAge <= 4
 # (sbatch.c `_job_wait`, Slurm 22.05: the interval grows while it is < min_job_age / 2, capped at 32). With
 # Slurm's default (300) a 12 s job returned after 42 s. A finished job's record then lives 4 s to about a minute
@@ -68,25 +127,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def unavailable_reason() -> str | None:
-    """Why a local cluster can't be started here, or None when it can."""
+def unavailable_reason(variant: str = "default") -> str | None:
+    """Why a local cluster of `variant` can't be started here, or None when it can."""
     if os.geteuid() != 0:
         return "the local Slurm cluster needs root (slurmd runs jobs as any user)"
     missing = [b for b in ("slurmctld", "slurmd", "munged", "sbatch", "srun") if shutil.which(b) is None]
     if missing:
         return f"{', '.join(missing)} not installed: apt-get install -y slurm-wlm munge"
+    if variant == "accounting":
+        missing = [b for b in ("slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db", "mariadb")
+                   if shutil.which(b) is None]
+        if missing:
+            return (f"{', '.join(missing)} not installed: the accounting tests need a real slurmdbd and its database "
+                    "(apt-get install -y slurmdbd mariadb-server, or make slurm-deps as root)")
     return None
 
 
 class LocalCluster:
     def __init__(self, root: str | os.PathLike, variant: str = "default") -> None:
-        if variant not in ("default", "affinity"):
-            raise ValueError(f"variant {variant!r}: 'default' or 'affinity'")
+        if variant not in VARIANTS:
+            raise ValueError(f"variant {variant!r}: one of {', '.join(map(repr, VARIANTS))}")
         self.root = Path(root).resolve()
         self.conf = self.root / "etc" / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
         self.variant = variant
-        self.partitions = AFFINITY_PARTITIONS if variant == "affinity" else PARTITIONS
+        self.partitions = VARIANTS[variant]
+        self.dbd_port = 0  # the accounting variant's slurmdbd port (slurm.conf AccountingStoragePort)
 
     @property
     def env(self) -> dict[str, str]:
@@ -97,11 +163,11 @@ class LocalCluster:
         return sorted(self.root.glob("run/*.pid"))
 
     def start(self, timeout: float = 60.0) -> None:
-        reason = unavailable_reason()
+        reason = unavailable_reason(self.variant)
         if reason:
             raise SlurmUnavailable(reason)
         self.stop()
-        for sub in ("etc", "state", "run", "log", "dev", "munge"):
+        for sub in ("etc", "state", "run", "log", "dev", "munge", "db"):
             shutil.rmtree(self.root / sub, ignore_errors=True)
             (self.root / sub).mkdir(parents=True)
         self._start_munge()
@@ -110,12 +176,17 @@ class LocalCluster:
             (self.root / "state" / f"spool-{n}").mkdir()
         for i in range(max(g for _, g, _, _ in self.partitions.values())):
             os.mknod(self.root / "dev" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(195, i))
+        self.dbd_port = free_port() if self.variant == "accounting" else 0
         self._write_conf()
         self._add_hosts([n for n in nodes])
+        deadline = time.monotonic() + timeout
+        if self.variant == "accounting":
+            self._start_accounting(deadline)
         self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld")
         for n in nodes:
             self._spawn(["slurmd", "-D", "-N", n, "-f", str(self.conf)], f"slurmd-{n}")
-        deadline = time.monotonic() + timeout
+        if self.variant == "accounting":
+            self._load_gpu_limits(deadline)
         while time.monotonic() < deadline:
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env={**os.environ, **self.env},
                                  capture_output=True, text=True)
@@ -123,10 +194,16 @@ class LocalCluster:
             if out.returncode == 0 and len(states) == len(nodes) and all(s == "idle" for s in states.values()):
                 return
             time.sleep(0.5)
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((self.root / "log").glob("*.log")))
+        self._give_up(f"the local cluster did not come up within {timeout:.0f}s; sinfo said "
+                      f"{out.stdout.strip() or out.stderr.strip()}")
+
+    def _give_up(self, message: str) -> None:
+        """Stop what started, and raise SlurmUnavailable with the message and the daemons' logs' tails."""
+        # the .out files hold what a daemon says before it opens its log (slurmdbd's fatal errors)
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
+                         for p in sorted((self.root / "log").glob("*.*")) if p.stat().st_size)
         self.stop()
-        raise SlurmUnavailable(f"the local cluster did not come up within {timeout:.0f}s; sinfo said "
-                               f"{out.stdout.strip() or out.stderr.strip()}\n{logs}")
+        raise SlurmUnavailable(f"{message}\n{logs}")
 
     def _start_munge(self) -> None:
         m = self.root / "munge"
@@ -165,9 +242,11 @@ class LocalCluster:
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/affinity" if self.variant == "affinity" else "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "GresTypes=gpu",
-            *(["SlurmdParameters=config_overrides"] if self.variant == "default" else []),
+            *(["SlurmdParameters=config_overrides"] if self.variant != "affinity" else []),
             "ReturnToService=2", "MpiDefault=none", "SwitchType=switch/none",
-            "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
+            *(self._accounting_conf() if self.variant == "accounting" else
+              ["AccountingStorageType=accounting_storage/none"]),
+            "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none", "SchedulerType=sched/backfill",
             f"MinJobAge={MIN_JOB_AGE}", "KillWait=5", "InactiveLimit=0", "SlurmdTimeout=30", "MessageTimeout=20",
         ]
@@ -177,10 +256,118 @@ class LocalCluster:
                 lines.append(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                              f"CPUs={cpus}{f' Gres=gpu:{gpus}' if gpus else ''} Features={feats} State=UNKNOWN")
                 gres += [f"NodeName={n} Name=gpu File={r}/dev/nvidia[0-{gpus - 1}]"] if gpus else []
+            allow = f" AllowQos={ACCOUNTING_ALLOW_QOS[part]}" if self.variant == "accounting" else ""
             lines.append(f"PartitionName={part} Nodes={','.join(names)} Default={'YES' if i == 0 else 'NO'} "
-                         "MaxTime=INFINITE State=UP OverSubscribe=NO")
+                         f"MaxTime=INFINITE State=UP OverSubscribe=NO{allow}")
         self.conf.write_text("\n".join(lines) + "\n")
         (self.conf.parent / "gres.conf").write_text("\n".join(gres) + "\n")
+
+    # ---- the accounting variant: MariaDB, slurmdbd, then the QoS and associations, before slurmctld starts ----
+    def _accounting_conf(self) -> list[str]:
+        """slurm.conf(5) lines that make slurmctld enforce QoS and associations kept by this cluster's slurmdbd."""
+        return ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
+                f"AccountingStoragePort={self.dbd_port}",
+                # with slurmdbd this is the munge socket that the clients' and slurmctld's messages to it use
+                # (slurm.conf(5) AccountingStoragePass): without it they try the system's /run/munge
+                f"AccountingStoragePass={self.root}/munge/munge.socket",
+                # associations: a job must name an account (and QoS) the user is associated with; limits: the QoS's
+                # and associations' limits (MaxWall, MaxTRESPerJob); qos: the QoS must be in the association's list
+                "AccountingStorageEnforce=associations,limits,qos",
+                # GPUs are tracked (a TRES), so MaxTRESPerJob=gres/gpu=N applies
+                "AccountingStorageTRES=gres/gpu"]
+
+    def _start_accounting(self, deadline: float) -> None:
+        """MariaDB, then slurmdbd, then the cluster (sacctmgr -i add cluster)."""
+        password = os.urandom(12).hex()
+        db_port = self._start_mariadb(password, deadline)
+        conf = self.conf.parent / "slurmdbd.conf"
+        r = self.root
+        conf.write_text("\n".join([
+            "AuthType=auth/munge", f"AuthInfo=socket={r}/munge/munge.socket",
+            "DbdHost=localhost", "DbdAddr=127.0.0.1", f"DbdPort={self.dbd_port}", "SlurmUser=root",
+            f"LogFile={r}/log/slurmdbd.log", f"PidFile={r}/run/slurmdbd.pid",
+            "StorageType=accounting_storage/mysql", "StorageHost=127.0.0.1", f"StoragePort={db_port}",
+            "StorageUser=slurm", f"StoragePass={password}", "StorageLoc=slurm_acct_db",
+        ]) + "\n")
+        # it holds the password: slurmdbd exits on any other mode ("fatal: slurmdbd.conf file ... should be 600")
+        os.chmod(conf, 0o600)
+        # slurmdbd reads slurmdbd.conf from SLURM_CONF's folder (it has no -f)
+        self._spawn(["slurmdbd", "-D"], "slurmdbd")
+        self._wait_for(["sacctmgr", "-n", "-P", "show", "cluster"], deadline, "slurmdbd did not answer sacctmgr")
+        try:  # before slurmctld starts: it registers as that cluster, and resolves AllowQos's names once
+            self.sacctmgr("add", "cluster", "kit")
+            self._load_associations()
+        except SlurmUnavailable as exc:
+            self._give_up(str(exc))
+
+    def _load_gpu_limits(self, deadline: float) -> None:
+        """Once slurmctld has registered gres/gpu as a TRES, the QoS's GPU limits: sacctmgr cannot add a TRES, and a
+        QoS naming an unknown one fails ("no TRES known by type gres/gpu"). Then wait until slurmctld holds them
+        (`scontrol show assoc_mgr`): slurmdbd forwards the change, and the tests must not race it."""
+        self._wait_for(["sacctmgr", "-n", "-P", "show", "tres", "type=gres", "name=gpu"], deadline,
+                       "slurmctld did not register gres/gpu with slurmdbd", need_output=True)
+        gpu = {name: tres for name, (_, tres) in ACCOUNTING_QOS.items() if tres.startswith("gres/gpu=")}
+        try:
+            for name, tres in gpu.items():
+                self.sacctmgr("modify", "qos", name, "set", f"MaxTRESPerJob={tres}")
+        except SlurmUnavailable as exc:
+            self._give_up(str(exc))
+        for name, tres in gpu.items():
+            self._wait_for(["scontrol", "show", "assoc_mgr", "flags=qos", f"qos={name}"], deadline,
+                           f"slurmctld did not learn {name}'s MaxTRESPerJob", need_output=f"MaxTRESPJ={tres}\n")
+
+    def _start_mariadb(self, password: str, deadline: float) -> int:
+        """A private MariaDB server (datadir, socket, pid file under DIR) with a user `slurm` for slurmdbd."""
+        r, port = self.root, free_port()
+        sock = r / "run" / "mariadb.sock"
+        init = r / "db" / "init.sql"
+        # install_db bootstraps with the grant tables off: FLUSH PRIVILEGES turns them on for CREATE USER
+        init.write_text(f"FLUSH PRIVILEGES;\nCREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';\n"
+                        "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';\n")
+        small = ["--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M", "--skip-name-resolve"]
+        out = subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={r}/db/data", "--user=root",
+                              "--skip-test-db", f"--extra-file={init}", *small], capture_output=True, text=True)
+        init.unlink()
+        if out.returncode != 0:
+            self._give_up(f"mariadb-install-db failed: {out.stdout[-1500:]}{out.stderr[-1500:]}")
+        self._spawn(["mariadbd", "--no-defaults", f"--datadir={r}/db/data", "--user=root", f"--socket={sock}",
+                     f"--port={port}", "--bind-address=127.0.0.1", f"--pid-file={r}/run/mariadb.pid",
+                     f"--log-error={r}/log/mariadb.log", "--innodb-flush-log-at-trx-commit=0", *small], "mariadb")
+        self._wait_for(["mariadb", "--no-defaults", f"--socket={sock}", "-uroot", "-e", "select 1"], deadline,
+                       "mariadbd did not accept connections")
+        return port
+
+    def _wait_for(self, cmd: list[str], deadline: float, what: str, need_output: bool | str = False) -> None:
+        """Run cmd every 0.2 s until it succeeds (and prints something, or need_output's text); past the deadline,
+        give up with its last output."""
+        while True:
+            out = subprocess.run(cmd, env={**os.environ, **self.env}, capture_output=True, text=True)
+            printed = need_output in out.stdout if isinstance(need_output, str) else out.stdout.strip()
+            if out.returncode == 0 and (printed or not need_output):
+                return
+            if time.monotonic() > deadline:
+                self._give_up(f"{what}: {' '.join(cmd[:3])} said {out.stdout.strip()} {out.stderr.strip()}")
+            time.sleep(0.2)
+
+    def sacctmgr(self, *args: str) -> str:
+        """`sacctmgr -i` (no confirmation) against this cluster's slurmdbd; its output, or SlurmUnavailable."""
+        out = subprocess.run(["sacctmgr", "-i", *args], env={**os.environ, **self.env}, capture_output=True,
+                             text=True)
+        if out.returncode != 0:
+            raise SlurmUnavailable(f"sacctmgr {' '.join(args)}: {out.stdout.strip()} {out.stderr.strip()}")
+        return out.stdout
+
+    def _load_associations(self) -> None:
+        """ACCOUNTING_QOS, ACCOUNTING_ACCOUNTS and this user's associations, as sacctmgr(1) adds them."""
+        for name, (wall, tres) in ACCOUNTING_QOS.items():  # the GPU limits come once gres/gpu is known
+            per_job = [f"MaxTRESPerJob={tres}"] if tres and not tres.startswith("gres/") else []
+            self.sacctmgr("add", "qos", name, f"MaxWall={wall}", *per_job)
+        user = pwd.getpwuid(os.geteuid()).pw_name
+        for account, (qos, default) in ACCOUNTING_ACCOUNTS.items():
+            self.sacctmgr("add", "account", account, "Cluster=kit", f"Organization={account.split('@')[0]}",
+                          f"Description=project {account}", f"QOS={','.join(qos)}", f"DefaultQOS={default}")
+        self.sacctmgr("add", "user", user, f"Account={','.join(ACCOUNTING_ACCOUNTS)}",
+                      f"DefaultAccount={next(iter(ACCOUNTING_ACCOUNTS))}")
 
     HOSTS_MARK = "# local_slurm test cluster"
 
@@ -252,7 +439,7 @@ def _alive(pid: int) -> bool:
 
 if __name__ == "__main__":
     if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("start", "stop"):
-        sys.exit(f"usage: {sys.argv[0]} start|stop DIR [default|affinity]")
+        sys.exit(f"usage: {sys.argv[0]} start|stop DIR [{'|'.join(VARIANTS)}]")
     cluster = LocalCluster(sys.argv[2], *sys.argv[3:])
     if sys.argv[1] == "start":
         try:
