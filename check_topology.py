@@ -3803,9 +3803,11 @@ def check_live(job: Job, facts, gpus: int | None, cores: int | None, findings: F
         return
     allow = part["allow_qos"] if part else "ALL"
     if qos and allow.upper() != "ALL" and qos not in allow.lower().split(","):
-        # slurm.conf(5) AllowQos: checked when the job is scheduled, not at submission (measured)
+        # slurm.conf(5) AllowQos: checked when the job is scheduled, not at submission, unless EnforcePartLimits
+        # is set (then sbatch refuses 'Invalid qos specification'): measured, tests/site_cases.py
+        refused = "qos" if facts.enforce_part_limits.upper() in ("ANY", "ALL", "YES") else None
         findings.error("qos-mismatch", f"QoS {qos}{'' if job.qos else ' (your association default)'} is not allowed "
-                       f"on partition {names[0]} in {here} (AllowQos={allow}): {fate(None, 'allow_qos')}; use one "
+                       f"on partition {names[0]} in {here} (AllowQos={allow}): {fate(refused, 'allow_qos')}; use one "
                        f"of {allow}" + ("" if job.qos else " with --qos"))
         return
     live_limits(job, facts, part, names[0] if names else "", qos, gpus, cores, here, findings)

@@ -139,3 +139,47 @@ def test_live_partitions_agree_with_sbatch(slurm_cluster, tmp_path):
             assert "Invalid partition name specified" in slurm.stderr, slurm.stderr
             assert "('Invalid partition name specified')" in str(live["findings"])
         assert any(n.startswith("site rules: Slurm's configuration here (kit, Slurm") for n in live["notes"])
+
+
+SITE_CODES = {"partition-unknown", "account-mismatch", "qos-mismatch", "time-over-qos", "qos-limit"}
+
+
+def verdict(report: dict) -> tuple[str, str]:
+    """The checker's site verdict: ('runs', '') with no site error, else the kind its first site error says."""
+    said = [f["message"] for f in report["findings"] if f["level"] == "error" and f["code"] in SITE_CODES]
+    if not said:
+        return "runs", ""
+    return ("refused" if "sbatch refuses it" in said[0] else "pending" if "pends forever" in said[0] else "?"), said[0]
+
+
+@pytest.mark.slurm
+def test_the_live_checker_agrees_with_slurms_real_fate(slurm_accounting, tmp_path):
+    """Each case of tests/site_cases.py (measured: refused at submission, pending forever, or runs) checked with
+    --site live on the same slurmctld + slurmdbd: the same fate, the same words (sbatch's message or squeue's reason).
+    Under the table (--site jean-zay) the same scripts get the table's verdicts, worded as the table's. Printed."""
+    from site_cases import CASES, deny_on_limit
+    rows, wrong = [], []
+    for i, case in enumerate(CASES):
+        # a cache per case: DenyOnLimit is switched on for its cases only, and a cached read would not see it
+        env = clean_env(**slurm_accounting.env, XDG_CACHE_HOME=str(tmp_path / f"cache{i}"))
+        path = tmp_path / f"case{i}.slurm"
+        path.write_text(case.script)
+        with deny_on_limit(slurm_accounting, case.deny_on_limit):
+            live, table = (json.loads(subprocess.run(
+                [sys.executable, str(ROOT / "check_topology.py"), "--json", "--site", site, str(path)], env=env,
+                capture_output=True, text=True, timeout=120).stdout) for site in ("live", "jean-zay"))
+        kind, said = verdict(live)
+        words = case.text.split(" | ")[-1].split(" (gpu_p13 allows")[0]
+        if kind != case.kind or (words and words not in said):
+            wrong.append(f"{case.name}: Slurm {case.kind} ({case.text}); the live checker {kind}: {said}")
+        table_said = [f["message"] for f in table["findings"] if f["code"] in SITE_CODES]
+        if not all("table of " in m for m in table_said):
+            wrong.append(f"{case.name}: a table finding not worded as the table's: {table_said}")
+        read = next(n for n in live["notes"] if n.startswith("site rules:"))
+        rows.append((case.name, case.kind, kind, verdict(table)[0] if table_said else "runs",
+                     read.rpartition("read in ")[2].rstrip(")")))
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'case':{width}}  {'Slurm':8}  {'live':8}  {'table':8}  live read")
+    for row in rows:
+        print(f"{row[0]:{width}}  {row[1]:8}  {row[2]:8}  {row[3]:8}  {row[4]}")
+    assert not wrong, "\n".join(wrong)
