@@ -6342,7 +6342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site", choices=("auto", "live", "jean-zay", "none"), default="auto",
                    help="whose account, QoS and time rules judge the job: live (Slurm's configuration here: "
                         "scontrol, sacctmgr), jean-zay (the dated table), none; auto (the default): live where Slurm "
-                        f"answers within {SITE_READ_SECONDS:g} s, else the table")
+                        "answers within site_slurm.py's deadline, else the table")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -6485,9 +6485,6 @@ def override(args: argparse.Namespace, t: Training) -> Training:
     return t  # nlayers left None: check_job / task_facts take the trainer's default for GPU or CPU
 
 
-SITE_READ_SECONDS = 2.0  # the live read's deadline (site_slurm.READ_SECONDS)
-
-
 def use_site(job: Job, choice: str) -> str:
     """Sets whose rules judge the job's account, QoS and time (--site); returns the report's note saying which."""
     if choice in ("auto", "live"):
@@ -6505,7 +6502,7 @@ def use_site(job: Job, choice: str) -> str:
         if choice == "live":
             raise UsageError("--site live: " + ("site_slurm.py is not beside check_topology.py; copy it there" if not
                              site_slurm else f"Slurm does not answer here (scontrol absent, or no answer within "
-                             f"{SITE_READ_SECONDS:g} s)") + "; or use --site jean-zay (the dated table) or --site none")
+                             f"{site_slurm.READ_SECONDS:g} s)") + "; or use --site jean-zay (the dated table) or --site none")
     job.site_rules = "none" if choice == "none" else "jean-zay"
     return ("site rules: none (--site none): Slurm's own behaviour only, no account, QoS or time limit judged"
             if choice == "none" else f"site rules: Jean Zay's documented table of {JEAN_ZAY_DATE}"
@@ -6524,7 +6521,6 @@ def main(argv: list[str] | None = None) -> int:
               else f"check_topology: unexpected {extras[0]!r}: give one sbatch file at most", file=sys.stderr)
         return 2
     training = Training()
-
     try:
         if args.gpu_mem is not None and args.gpu_mem <= 0:
             raise UsageError(f"--gpu-mem {args.gpu_mem:g} must be a positive number of GiB, e.g. --gpu-mem 32")
@@ -6536,8 +6532,7 @@ def main(argv: list[str] | None = None) -> int:
             if planning:
                 raise UsageError("give either an sbatch file or planning flags (--nodes ...), not both")
             job, training, findings = read_sbatch(args.sbatch_file)
-            job.gpu_mem = args.gpu_mem
-            note = use_site(job, args.site)
+            job.gpu_mem, note = args.gpu_mem, use_site(job, args.site)
             report = check_job(job, override(args, training))
             report.findings[:0] = findings
             report.notes.append(note)
