@@ -16,66 +16,70 @@ The trainer's verdict on its arguments alone, without importing torch (docs/argu
 """
 from __future__ import annotations
 
-import signal
 import sys
 
-# The stop signals are held from here, the first statements (see bench_ddp_transformer's top): before the 2,000 lines
-# of bench_ddp_transformer are compiled, 30-60 ms in which their default actions would kill the process. Its
-# hold_signal takes over this list when it is imported below (HOLD_STOP_SIGNALS).
-PENDING_SIGNALS: list[str] = []
+# The stop signals (SIGUSR1 before the time limit, SIGTERM, SIGINT) are held from here, the first statements: they
+# can come while torch imports or the tasks meet, where their default actions would kill the task and the job would
+# not be requeued (kit/train/signals.py, the standard library only, says how they are acted on).
+try:
+    from kit.train.signals import hold_stop_signals
+except ImportError as exc:  # copied alone: the kit is a folder (README, step 2)
+    sys.exit(f"bench_stage: error: {exc}: copy the kit's whole folder (the scripts and kit/ beside them)")
 if __name__ == "__main__":
-    for _sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        if signal.getsignal(_sig) is not signal.SIG_IGN:  # ignored stays ignored (Ctrl-C in a background job)
-            signal.signal(_sig, lambda signum, frame: PENDING_SIGNALS.append(signal.Signals(signum).name))
+    hold_stop_signals()
 
 if __name__ == "__main__" and "--check-args" in sys.argv[1:]:  # judge the arguments as main() does, without torch
-    import check_topology
-    sys.exit(check_topology.check_args_main("stage", sys.argv[1:]))
+    import kit.trainer_checks
+    sys.exit(kit.trainer_checks.check_args_main("stage", sys.argv[1:]))
 
-HOLD_STOP_SIGNALS = True
-import bench_ddp_transformer as bench  # noqa: E402
-
-import argparse
-import inspect
-import os
+import argparse  # noqa: E402
+import inspect  # noqa: E402
+import os  # noqa: E402
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-import check_topology
+import kit.arguments
+import kit.findings
+import kit.plan
+import kit.trainer_checks
 import idr_torch
-from bench_ddp_transformer import RunError
+import bench_ddp_transformer as bench  # the page's model and step: this layout's too
+from kit.train import loop, options  # their divergence and optimizer_state: Stages has its own methods of those names
+from kit.train.errors import RunError, cli
+from kit.train.launch import HOST_GROUP, Watchdog  # shared: a rank blocked in a pipelining receive waits forever
+from kit.train.loop import fingerprint
+from kit.train.options import make_optimizer, memory_estimate, options_text
+from kit.train.setup import cpu_placement, resolve, task_plan, verdict
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The arguments, from check_topology's one definition of them (the stage layout's: --pp, --schedule,
     --virtual-stages instead of --nb-part, --engine, --devices)."""
-    return check_topology.parse_trainer_args("stage", argv, __doc__)
+    return kit.arguments.parse_trainer_args("stage", argv, __doc__)
 
 
-def make_plan(cfg: argparse.Namespace, cuda: bool) -> check_topology.TaskPlan:
+def make_plan(cfg: argparse.Namespace, cuda: bool) -> kit.plan.TaskPlan:
     """A GPU per task; check_topology's verdict on the pipelines and the batch, before any process group."""
-    findings = check_topology.Findings()
-    plan = bench.task_plan(cuda, cfg.nlayers, 1, findings)
-    check_topology.check_trainer_task("stage", cfg, plan, idr_torch.current(), cuda, torch.__version__, findings)
-    bench.verdict(findings)
+    findings = kit.findings.Findings()
+    plan = task_plan(cuda, cfg.nlayers, 1, findings)
+    kit.trainer_checks.check_trainer_task("stage", cfg, plan, idr_torch.current(), cuda, torch.__version__, findings)
+    verdict(findings)
     return plan
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.check_args:
-        return check_topology.check_args_main("stage", sys.argv[1:] if argv is None else argv)
+        return kit.trainer_checks.check_args_main("stage", sys.argv[1:] if argv is None else argv)
     cuda = torch.cuda.is_available()
-    bench.resolve(cfg, cuda)
+    resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)
     bench.use_gpus(plan)  # torch.cuda.set_device(the task's GPU), before anything touches CUDA
     return bench.run(cfg, cuda, "pipelining", lambda: Stages(cfg, plan, cuda))
 
-
-Watchdog = bench.Watchdog  # the shared one: a rank blocked in a pipelining send or receive waits in C++ forever
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
@@ -83,7 +87,7 @@ def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
     return [pp_rank + k * pp for k in range(virtual)]
 
 
-class Stages:  # a bench.Trainer
+class Stages:  # a Trainer
     """Beyond the page: one task per GPU, torch.distributed.pipelining (PipelineStage + a schedule) across the
     `pp` tasks of a pipeline, DDP across the dp pipelines over each stage's group: a 2-D mesh (dp, pp) as in
     torchtitan. Consecutive ranks form a pipeline, so its stages stay on one node when tasks per node allow."""
@@ -91,10 +95,10 @@ class Stages:  # a bench.Trainer
     engine = "pipelining"
     equal_batches = True  # the schedules want every batch the same size
 
-    def __init__(self, cfg: argparse.Namespace, plan: check_topology.TaskPlan, cuda: bool) -> None:
+    def __init__(self, cfg: argparse.Namespace, plan: kit.plan.TaskPlan, cuda: bool) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         self.cfg, self.plan = cfg, plan
-        self.pp, self.virtual = cfg.pp, check_topology.stages_per_rank(cfg.schedule, cfg.virtual_stages)
+        self.pp, self.virtual = cfg.pp, kit.trainer_checks.stages_per_rank(cfg.schedule, cfg.virtual_stages)
         self.dp_size = idr_torch.size // self.pp
         self.nb_part = self.pp * self.virtual  # stages of one pipeline = parts of one replica
         # One GPU per task, set before the mesh (main's use_gpus): init_device_mesh sets a device only when it creates
@@ -112,24 +116,26 @@ class Stages:  # a bench.Trainer
         # Build the whole replica on the CPU with the replica layout's seed and order, keep our stages: the same
         # initial weights as bench_ddp_transformer.py, and the same state_dict keys.
         torch.manual_seed(cfg.seed)
-        cpu_plan = check_topology.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, self.nb_part)
+        cpu_plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, self.nb_part)
         module_list = bench.build_module_list(cfg, cpu_plan)
         self.param_counts = [len(list(m.parameters())) for m in module_list]
         self.total_params = sum(p.numel() for m in module_list for p in m.parameters())
         self.modules = {s: module_list[s].to(self.device) for s in self.ids}
         del module_list
         # --zero: each stage's AdamW sharded over that stage's replicas (the dp group)
-        self.optimizers = {s: bench.make_optimizer(m.parameters(), cfg.lr, cfg.zero, self.mesh["dp"].get_group())
+        self.optimizers = {s: make_optimizer(m.parameters(), cfg.lr, cfg.zero,
+                                                               self.mesh["dp"].get_group())
                            for s, m in self.modules.items()}
-        self.memory, self.estimate_gib = bench.memory_estimate(cfg, plan, self.pp, self.dp_size, layout="stage",
+        self.memory, self.estimate_gib = memory_estimate(cfg, plan, self.pp, self.dp_size,
+                                                                           layout="stage",
                                                                pp=self.pp, schedule=cfg.schedule,
                                                                virtual_stages=cfg.virtual_stages)
         self.schedule = None
 
     def describe(self) -> str:
-        contents = check_topology.part_contents(self.cfg.nlayers, self.nb_part)
+        contents = kit.plan.part_contents(self.cfg.nlayers, self.nb_part)
         return (f"{self.dp_size} pipeline(s) x pp {self.pp} ({self.virtual} stage(s) per task), schedule "
-                f"{self.cfg.schedule}, {bench.options_text(self.cfg, self.dp_size)}; rank 0 holds "
+                f"{self.cfg.schedule}, {options_text(self.cfg, self.dp_size)}; rank 0 holds "
                 + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
                 + f" on {self.device}")
 
@@ -153,10 +159,10 @@ class Stages:  # a bench.Trainer
                     for s, m in self.modules.items()}
         stages = [pipelining.PipelineStage(self.ddp[s], s, self.nb_part, self.device,
                                            *self.example_io(pipelining, s), group=pp_group) for s in self.ids]
-        cls = getattr(pipelining, check_topology.SCHEDULES[self.cfg.schedule], None)
+        cls = getattr(pipelining, kit.arguments.SCHEDULES[self.cfg.schedule], None)
         if cls is None:
             raise RunError(f"--schedule {self.cfg.schedule}: this torch ({torch.__version__}) has no "
-                           f"{check_topology.SCHEDULES[self.cfg.schedule]}; use gpipe or 1f1b")
+                           f"{kit.arguments.SCHEDULES[self.cfg.schedule]}; use gpipe or 1f1b")
         self.eval_schedule = self.forward_only_schedule(pipelining, pp_group)
         # scale_grads (the mean over micro-batches, on by default) is a schedule argument in 2.8.0 and later; 2.4.1
         # and 2.6.0 have none and their gradients are the micro-batches' sum
@@ -251,11 +257,11 @@ class Stages:  # a bench.Trainer
         bench_ddp_transformer.py's keys, so a checkpoint moves between the layouts. Under --zero each stage's
         optimizer shards are first consolidated on its dp rank 0 (a collective over the dp group)."""
         dp_group = self.mesh["dp"].get_group()
-        optimizers = {s: bench.optimizer_state(o, dp_group) for s, o in self.optimizers.items()}
+        optimizers = {s: options.optimizer_state(o, dp_group) for s, o in self.optimizers.items()}
         mine = {s: ({k: v.cpu() for k, v in m.state_dict().items()}, optimizers[s])
                 for s, m in self.modules.items()} if self.dp_rank == 0 else {}
         everyone: list | None = [None] * dist.get_world_size() if idr_torch.rank == 0 else None
-        dist.gather_object(mine, everyone, dst=0, group=bench.HOST_GROUP[0])
+        dist.gather_object(mine, everyone, dst=0, group=HOST_GROUP[0])
         if everyone is None:
             return None
         by_stage = {s: v for d in everyone for s, v in d.items()}
@@ -263,13 +269,13 @@ class Stages:  # a bench.Trainer
         return model, merge_optimizer_states([by_stage[s][1] for s in sorted(by_stage)])
 
     def divergence(self) -> float:
-        fp = bench.fingerprint([self.modules[s] for s in self.ids]).to(self.device)
-        return bench.divergence(fp, self.mesh["dp"].get_group(), self.dp_size)
+        fp = fingerprint([self.modules[s] for s in self.ids]).to(self.device)
+        return loop.divergence(fp, self.mesh["dp"].get_group(), self.dp_size)
 
     def placement(self, launch: idr_torch.Launch) -> dict:
         return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "stages": self.ids,
                 "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "nb_part": 1, "devices": [str(self.device)],
-                "node_gpus": self.plan.node_gpus, **bench.cpu_placement()}
+                "node_gpus": self.plan.node_gpus, **cpu_placement()}
 
     def record(self) -> dict:
         return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": self.pp,
@@ -312,4 +318,4 @@ def merge_optimizer_states(pieces: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    bench.cli(main, "bench_stage")
+    cli(main, "bench_stage")

@@ -267,18 +267,19 @@ def bare_worker(conf: dict) -> int:
     import torch
     import torch.nn.functional as F
     import bench_ddp_transformer as bench
-    import check_topology
+    import kit.train.setup
+    import kit.plan
     cuda = torch.cuda.is_available()
     cfg = bench.parse_args(["--nlayers", str(conf["nlayers"]), "--batch-size", str(conf["batch_size"]),
                             "--chunks", str(conf["chunks"]), "--nb-part", str(conf["nb_part"])])
-    bench.resolve(cfg, cuda=cuda)
+    kit.train.setup.resolve(cfg, cuda=cuda)
     devices = None if conf["devices"] is None else [int(d) for d in conf["devices"].split(",")]
     visible = [str(i) for i in range(torch.cuda.device_count())] if cuda else []
-    plan = check_topology.plan_task(conf["rank"], 0, conf["rank"], conf["tasks"], visible, None, cfg.nlayers,
+    plan = kit.plan.plan_task(conf["rank"], 0, conf["rank"], conf["tasks"], visible, None, cfg.nlayers,
                                     conf["nb_part"], None, devices)
     bench.use_gpus(plan)
     # the intra-op threads the trainer's task of this rank takes (its cores, or the node's split between the tasks)
-    torch.set_num_threads(bench.cpu_threads(types.SimpleNamespace(local_world_size=conf["tasks"])))
+    torch.set_num_threads(kit.train.setup.cpu_threads(types.SimpleNamespace(local_world_size=conf["tasks"])))
     torch.manual_seed(cfg.seed)
     parts = bench.build_module_list(cfg, plan)
     where = [plan.device(i) for i in range(plan.nb_part)]

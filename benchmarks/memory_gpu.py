@@ -8,13 +8,13 @@
 Each configuration runs the trainer's own Replica (bench_ddp_transformer.py: its model, --precision,
 --activation-checkpointing, fairscale's Pipe, DDP over nccl in one process, its AdamW or GradScaler) three steps; the
 peak of the third (optimizer state there, as in every later step) is compared per GPU with the estimate for this GPU's
-kernels (check_topology.ARCHS): the estimate without its allowance against max_memory_allocated, with it against
+kernels (kit.memory.ARCHS): the estimate without its allowance against max_memory_allocated, with it against
 max_memory_reserved (the CUDA context is in neither, so the allowance should cover more than the difference). Then,
 where torch has MemTracker (2.5 and later), a fourth step under benchmarks/memory_grid.py's tracker gives the ratio
 per term: the static terms (weights, AdamW's state, DDP's buckets) and the rest of the peak (activations, weight
 copies, gradients, temporaries), against the estimate of the step as a dispatch mode sees it (traced=True).
 The estimate's GPU kernels (flash or memory-efficient attention, bool dropout masks) are assumptions read in
-torch's sources (check_topology I.4): this is where they are checked.
+torch's sources (kit/memory.py): this is where they are checked.
 
 Each configuration runs in a process of its own (this script again, --child), its measured steps before any
 tracker. In one process, as before, the figures were wrong: torch's MemTracker keeps the model's parameters and
@@ -49,14 +49,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import bench_ddp_transformer as bench  # noqa: E402
-import check_topology  # noqa: E402
+import kit.train.setup  # noqa: E402
+import kit.arguments  # noqa: E402
+import kit.memory  # noqa: E402
+import kit.plan  # noqa: E402
 
-GIB = check_topology.GIB
+GIB = kit.memory.GIB
 
 
 def model_of(cpu: bool, dropout: float | None) -> dict:
     """The trainer's defaults for the device: the GPU's, or on the CPU (the tests) its small ones."""
-    model = dict(check_topology.CPU_DEFAULTS if cpu else check_topology.GPU_DEFAULTS)
+    model = dict(kit.arguments.CPU_DEFAULTS if cpu else kit.arguments.GPU_DEFAULTS)
     if dropout is not None:
         model["dropout"] = dropout
     return model
@@ -68,9 +71,9 @@ def plan_of(model: dict, precision: str, ckpt: bool, nb_part: int, cuda: bool) -
     args = [f"--{k.replace('_', '-')}={v}" for k, v in model.items()]
     cfg = bench.parse_args(args + ["--precision", precision, "--nb-part", str(nb_part)]
                            + (["--activation-checkpointing"] if ckpt else []))
-    bench.resolve(cfg, cuda=cuda)
+    kit.train.setup.resolve(cfg, cuda=cuda)
     gpus = torch.cuda.device_count() if cuda else 0
-    plan = check_topology.plan_task(0, 0, 0, 1, [str(i) for i in range(gpus)], gpus or None, cfg.nlayers, nb_part,
+    plan = kit.plan.plan_task(0, 0, 0, 1, [str(i) for i in range(gpus)], gpus or None, cfg.nlayers, nb_part,
                                     devices=[0] * nb_part if cuda and gpus < nb_part else None)
     return cfg, plan
 
@@ -169,7 +172,7 @@ def run_configuration(conf: dict, timeout: float) -> dict:
 
 
 def arch_here(cpu: bool) -> str:
-    return "cpu" if cpu else check_topology.arch_of(torch.cuda.get_device_capability(0))
+    return "cpu" if cpu else kit.memory.arch_of(torch.cuda.get_device_capability(0))
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -239,9 +242,9 @@ def jobs_that_fit(args: argparse.Namespace, model: dict, arch: str, shared: bool
         return args.jobs, []
     need = 0
     for conf in confs:
-        t = check_topology.Training(precision=conf["precision"], activation_checkpointing=conf["ckpt"])
-        est = check_topology.estimate_memory(model, t, args.nb_part, 1, arch)
-        need = max(need, check_topology.shared_gpu_memory(est, [0] * args.nb_part)[2] if shared
+        t = kit.arguments.Training(precision=conf["precision"], activation_checkpointing=conf["ckpt"])
+        est = kit.memory.estimate_memory(model, t, args.nb_part, 1, arch)
+        need = max(need, kit.memory.shared_gpu_memory(est, [0] * args.nb_part)[2] if shared
                    else max(m.total for m in est))
     gpu = torch.cuda.get_device_properties(0).total_memory
     jobs = max(1, min(args.jobs, int(0.9 * gpu // need)))
@@ -253,8 +256,8 @@ def jobs_that_fit(args: argparse.Namespace, model: dict, arch: str, shared: bool
 def rows(model: dict, conf: dict, got: dict, arch: str, shared: bool, notes: list[str]) -> list[float]:
     """Print a configuration's rows (one per part, or the parts' sum where they share cuda:0); |ratio - 1| each."""
     precision, ckpt, nb_part = conf["precision"], conf["ckpt"], conf["nb_part"]
-    t = check_topology.Training(precision=precision, activation_checkpointing=ckpt)
-    est = check_topology.estimate_memory(model, t, nb_part, 1, arch)
+    t = kit.arguments.Training(precision=precision, activation_checkpointing=ckpt)
+    est = kit.memory.estimate_memory(model, t, nb_part, 1, arch)
     n = len(est)
     allocated, reserved = got["allocated"] or [None] * n, got["reserved"] or [None] * n
     clean = [r == 0 for r in got["before_reserved"] or [False] * n]
@@ -268,7 +271,7 @@ def rows(model: dict, conf: dict, got: dict, arch: str, shared: bool, notes: lis
                          "GiB before the model was built: max_memory_reserved not compared")
     lines = [(m.peak, m.total, a, r if ok else None, m.peak_at) for m, a, r, ok in zip(est, allocated, reserved, clean)]
     if shared:
-        lines = [(sum(m.peak for m in est), check_topology.shared_gpu_memory(est, [0] * nb_part)[2], allocated[0],
+        lines = [(sum(m.peak for m in est), kit.memory.shared_gpu_memory(est, [0] * nb_part)[2], allocated[0],
                   reserved[0] if clean[0] else None, "sum of the parts")]
     out = []
     for i, (peak, total, a, r, at) in enumerate(lines):
@@ -287,8 +290,8 @@ def term_rows(model: dict, conf: dict, got: dict, arch: str) -> list[str]:
     if not measured:
         return []
     precision, ckpt = conf["precision"], conf["ckpt"]
-    t = check_topology.Training(precision=precision, activation_checkpointing=ckpt)
-    traced = check_topology.estimate_memory(model, t, conf["nb_part"], 1, arch, traced=True)
+    t = kit.arguments.Training(precision=precision, activation_checkpointing=ckpt)
+    traced = kit.memory.estimate_memory(model, t, conf["nb_part"], 1, arch, traced=True)
     out = []
     for i, (m, e) in enumerate(zip(measured["parts"], traced)):
         kinds = m["kinds"]

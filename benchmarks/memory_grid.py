@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The memory estimate (check_topology.estimate_memory, estimate_stage_memory) against the peak torch's own tracker
+"""The memory estimate (kit.memory.estimate_memory, estimate_stage_memory) against the peak torch's own tracker
 measures in a real training step, on the CPU.
 
     python benchmarks/memory_grid.py              # the whole grid: every part of every configuration, both layouts
@@ -18,7 +18,7 @@ cross-checked against glibc's malloc count (mallinfo2) sampled after every op. T
 Stages in one process per task (torchrun), MemTracker around its third step, the receive buffers named.
 
 A TorchDispatchMode changes the program it watches: autograd adds gradients out of place under one, and at::linear
-its bias (both in place otherwise; see check_topology I.4), so the estimate is compared here with traced=True. For
+its bias (both in place otherwise; see kit/memory.py), so the estimate is compared here with traced=True. For
 one part per replica the step is also measured without any dispatch mode (mallinfo2 sampled from autograd's hooks
 and module hooks only: a lower bound of the peak) and compared with the estimate the checker uses.
 Targets: every part within 10 % of the measured peak, and never more than 5 % below it. MemTracker exists from torch
@@ -48,7 +48,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 import bench_ddp_transformer as bench  # noqa: E402
-import check_topology  # noqa: E402
+import kit.train.setup  # noqa: E402
+import kit.arguments  # noqa: E402
+import kit.memory  # noqa: E402
+import kit.plan  # noqa: E402
+import kit.releases  # noqa: E402
 
 HIGH, LOW = 0.10, 0.05  # every part within 10 % of the measured peak, never more than 5 % below it
 MODEL = dict(nlayers=4, vocab_size=500)
@@ -318,8 +322,8 @@ def replica_step(row: dict, precision: str, ckpt: bool, traced: bool = True) -> 
 def _replica_step(row: dict, precision: str, ckpt: bool, traced: bool) -> dict:
     init_process_group()
     cfg = bench.parse_args(trainer_args(row, precision, ckpt) + ["--nb-part", str(row["nb_part"])])
-    bench.resolve(cfg, cuda=False)
-    plan = check_topology.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, cfg.nb_part)
+    kit.train.setup.resolve(cfg, cuda=False)
+    plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, cfg.nb_part)
     replica = bench.Replica(cfg, plan, "fairscale")
     parts, box, buckets = list(replica.model), [None], {}
     watch_parts(parts, box)
@@ -387,10 +391,10 @@ def _sampled_step(replica, parts, box, buckets, x, y) -> dict:  # noqa: ANN001
     return dict(peak=static + sampler.peak - sampler.start, static=static)
 
 
-def estimate(row: dict, precision: str, ckpt: bool, traced: bool) -> list[check_topology.PartMemory]:
+def estimate(row: dict, precision: str, ckpt: bool, traced: bool) -> list[kit.memory.PartMemory]:
     model = dict(MODEL, **{k: v for k, v in row.items() if k != "nb_part"})
-    t = check_topology.Training(precision=precision, activation_checkpointing=ckpt)
-    return check_topology.estimate_memory(model, t, row["nb_part"], 1, arch="cpu", traced=traced)
+    t = kit.arguments.Training(precision=precision, activation_checkpointing=ckpt)
+    return kit.memory.estimate_memory(model, t, row["nb_part"], 1, arch="cpu", traced=traced)
 
 
 def compare_replica(row: dict, precision: str, ckpt: bool) -> list[dict]:
@@ -435,7 +439,7 @@ def stage_worker(conf: dict, out: Path) -> None:
     import bench_stage
     import idr_torch
     cfg = bench_stage.parse_args(stage_args(conf))
-    bench.resolve(cfg, cuda=False)
+    kit.train.setup.resolve(cfg, cuda=False)
     plan = bench_stage.make_plan(cfg, cuda=False)
     bench.init_distributed(120, cuda=False)
     trainer = bench_stage.Stages(cfg, plan, cuda=False)
@@ -488,10 +492,10 @@ def compare_stage(conf: dict) -> list[dict]:
             raise RuntimeError(f"stage grid {conf}: the tasks failed:\n{done.stderr[-3000:]}")
         got = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(tasks)]
     model = dict(STAGE_MODEL, chunks=conf["chunks"], dropout=conf["dropout"])
-    t = check_topology.Training(layout="stage", pp=conf["pp"], schedule=conf["schedule"], virtual_stages=2,
+    t = kit.arguments.Training(layout="stage", pp=conf["pp"], schedule=conf["schedule"], virtual_stages=2,
                                 precision=conf["precision"], activation_checkpointing=conf["ckpt"], zero=conf["zero"])
-    est = check_topology.estimate_stage_memory(model, t, conf["pp"], conf["replicas"], arch="cpu", traced=True,
-                                               torch=check_topology.version_tuple(torch.__version__))
+    est = kit.memory.estimate_stage_memory(model, t, conf["pp"], conf["replicas"], arch="cpu", traced=True,
+                                               torch=kit.releases.version_tuple(torch.__version__))
     rows = []
     for m in got[:conf["pp"]]:
         e = est[m["pp_rank"]]

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ddp_transformer as b  # noqa: E402
+import kit.train.pipe  # noqa: E402
+import kit.train.setup  # noqa: E402
 from budget import MODEL as BUDGET_MODEL  # noqa: E402
-import check_topology as ct  # noqa: E402
+import kit.plan  # noqa: E402
 import idr_torch  # noqa: E402
 
 MODEL = [*BUDGET_MODEL, "--chunks", "4"]  # the budget's model, at its chunks
@@ -24,12 +26,12 @@ MODEL = [*BUDGET_MODEL, "--chunks", "4"]  # the budget's model, at its chunks
 
 def main(mode: str) -> None:
     cfg = b.parse_args(MODEL)
-    b.resolve(cfg, cuda=False)
-    torch.set_num_threads(b.cpu_threads(idr_torch.current()))
+    kit.train.setup.resolve(cfg, cuda=False)
+    torch.set_num_threads(kit.train.setup.cpu_threads(idr_torch.current()))
     torch.manual_seed(0)
-    module_list = b.build_module_list(cfg, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2))
+    module_list = b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2))
     model = torch.nn.Sequential(*module_list) if mode == "bare" else \
-        b.PipeModel(module_list, "fairscale", cfg.chunks, ["cpu", "cpu"])
+        kit.train.pipe.PipeModel(module_list, "fairscale", cfg.chunks, ["cpu", "cpu"])
     run = model
     if mode == "ddp":
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -4,7 +4,7 @@
     python benchmarks/speed_grid.py                      # the full grid: 32 splits x 5 repeats, about 35 minutes
     python benchmarks/speed_grid.py --quick              # 6 splits x 1 repeat, a smoke test
 
-For each model size: benchmarks/speed_profile.py (2 tasks, as torchrun starts them), check_topology.predict_speed
+For each model size: benchmarks/speed_profile.py (2 tasks, as torchrun starts them), kit.speed.predict_speed
 for every split, then the trainers themselves (torchrun, gloo, synthetic data), the repeats interleaved so that a
 slow minute of a noisy host falls on every split alike; the median of the repeats is compared with the prediction.
 The grid: the replica layout with nb_part 1 and 2 (its parts share the CPU, so they run in turn) and 1 or 2 replicas
@@ -28,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import check_topology as ct  # noqa: E402
+import kit.arguments  # noqa: E402
+import kit.speed  # noqa: E402
 
 MODELS = {"small": [],  # the CPU defaults: 4 layers, d_model 64, seq 64
           "wide": ["--nlayers", "8", "--d-model", "128", "--d-hid", "512"]}
@@ -51,10 +52,11 @@ def torchrun(nproc: int, script: str, args: list[str], timeout: float = 900, cor
 
 def predict(profile: dict, model_argv: list[str], split: tuple) -> dict:
     layout, parts, replicas, batch, chunks = split
-    t = ct.training_from_args(ct.read_trainer_argv(layout, model_argv).values, layout)
+    t = kit.arguments.training_from_args(kit.arguments.read_trainer_argv(layout, model_argv).values, layout)
     t.schedule, t.pp = "1f1b", parts if layout == "stage" else t.pp
-    model = ct.model_args(t, cpu=True, batch_size=batch, chunks=chunks)
-    return ct.predict_speed(profile, model, t, parts, replicas, parts * replicas if layout == "stage" else replicas,
+    model = kit.arguments.model_args(t, cpu=True, batch_size=batch, chunks=chunks)
+    return kit.speed.predict_speed(profile, model, t, parts, replicas,
+                                   parts * replicas if layout == "stage" else replicas,
                             threads=1)
 
 
@@ -135,7 +137,7 @@ def main() -> int:
         for label, argv in models.items():
             profile_path = Path(tmp) / f"profile_{label}.json"
             torchrun(2, "benchmarks/speed_profile.py", ["--out", str(profile_path), *argv])
-            profile = ct.read_profile(profile_path)
+            profile = kit.speed.read_profile(profile_path)
             shutil.copy(profile_path, Path(args.out).parent / f"speed_profile_{label}.json")
             print(f"{label}: profile in {profile['seconds']:.0f} s", flush=True)
             for split in grid:

@@ -8,7 +8,7 @@ module you will train with, and the trainer's model options (the blocks are time
 then
     python check_topology.py --advise --profile profile.json --nodes 2 -C v100-32g --global-batch 512 --nlayers 16
 
-What it measures, each the median of --repeats timings on this task's first device (check_topology's I.7 reads it):
+What it measures, each the median of --repeats timings on this task's first device (kit/speed.py reads it):
   - each block the trainer builds (Encoder, one Layer, Decoder): forward and backward at micro-batch sizes 1, 2, 4,
     ... --max-micro, in each precision this device has, a Layer with and without activation checkpointing; with
     every task of the node timing at once (their share of the cores on a CPU), and on a CPU also one task alone
@@ -39,7 +39,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_ddp_transformer as bench  # noqa: E402
-import check_topology as ct  # noqa: E402
+import kit.train.checkpoint  # noqa: E402
+import kit.train.errors  # noqa: E402
+import kit.train.launch  # noqa: E402
+import kit.train.options  # noqa: E402
+import kit.train.pipe  # noqa: E402
+import kit.train.setup  # noqa: E402
+import kit.allocation  # noqa: E402
+import kit.arguments  # noqa: E402
+import kit.findings  # noqa: E402
+import kit.memory  # noqa: E402
+import kit.plan  # noqa: E402
+import kit.releases  # noqa: E402
+import kit.site  # noqa: E402
+import kit.speed  # noqa: E402
 import idr_torch  # noqa: E402
 
 
@@ -58,20 +71,20 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
         p.error(f"--max-micro ({args.max_micro}) and --repeats ({args.repeats}) must be at least 1")
     try:
         cfg = bench.parse_args(rest)
-    except ct.ArgumentError as exc:
+    except kit.arguments.ArgumentError as exc:
         p.error(str(exc))
     return args, cfg
 
 
 def precisions_of(args: argparse.Namespace, cuda: bool) -> list[str]:
-    """fp32 and the low precision the trainer offers on this device (V100: fp16 only; check_topology.arch_of)."""
+    """fp32 and the low precision the trainer offers on this device (V100: fp16 only; kit.memory.arch_of)."""
     if args.precisions:
         chosen = args.precisions.split(",")
-        bad = [x for x in chosen if x not in ct.PRECISIONS]
+        bad = [x for x in chosen if x not in kit.arguments.PRECISIONS]
         if bad:
-            raise SystemExit(f"profile: --precisions {bad[0]!r} is not one of {', '.join(ct.PRECISIONS)}")
+            raise SystemExit(f"profile: --precisions {bad[0]!r} is not one of {', '.join(kit.arguments.PRECISIONS)}")
         return chosen
-    arch = ct.arch_of(torch.cuda.get_device_capability() if cuda else None)
+    arch = kit.memory.arch_of(torch.cuda.get_device_capability() if cuda else None)
     return ["fp32", "fp16" if arch == "sm70" else "bf16"]
 
 
@@ -108,7 +121,7 @@ def make_block(kind: str, cfg: argparse.Namespace, precision: str, ckpt: bool, d
         block = bench.Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout, ckpt)
     else:
         block = bench.Decoder(cfg.d_model, cfg.d_hid)
-    return bench.Part(block, precision=precision).to(device)
+    return kit.train.options.Part(block, precision=precision).to(device)
 
 
 def time_block(kind: str, block, cfg: argparse.Namespace, micro: int, timer: Timer, tokens: bool = False
@@ -164,7 +177,7 @@ def model_parts(cfg: argparse.Namespace, nb_part: int, precision: str, ckpt: boo
     device (the last one's for every part past the task's devices)."""
     torch.manual_seed(0)
     run = argparse.Namespace(**{**vars(cfg), "precision": precision, "activation_checkpointing": bool(ckpt)})
-    parts = bench.build_module_list(run, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, nb_part))
+    parts = bench.build_module_list(run, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, nb_part))
     return [p.to(devices[min(i, len(devices) - 1)]) for i, p in enumerate(parts)]
 
 
@@ -178,7 +191,7 @@ def time_whole(cfg: argparse.Namespace, precisions: list[str], max_micro: int, t
     for precision in precisions:
         for ckpt in (0, 1):
             [part] = model_parts(cfg, 1, precision, ckpt, [timer.device])
-            model = bench.PipeModel([part], engine, 1, [str(timer.device)])
+            model = kit.train.pipe.PipeModel([part], engine, 1, [str(timer.device)])
             try:
                 table[f"{precision}|{ckpt}"] = [[m, *time_block("Decoder", model, cfg, m, timer, tokens=True)]
                                                 for m in micro_sizes(max_micro)]
@@ -198,7 +211,7 @@ def time_engine_real(cfg: argparse.Namespace, max_micro: int, timer: Timer, engi
     parts = model_parts(cfg, 2, "fp32", False, devices)
     times = {}
     for chunks in (1, 16):
-        model = bench.PipeModel(parts, engine, chunks, [str(d) for d in devices])
+        model = kit.train.pipe.PipeModel(parts, engine, chunks, [str(d) for d in devices])
         try:
             times[chunks] = sum(time_block("Decoder", model, cfg, 16, timer, tokens=True))
         finally:
@@ -210,13 +223,13 @@ def time_engine_real(cfg: argparse.Namespace, max_micro: int, timer: Timer, engi
 
 
 def time_optimizer(cfg: argparse.Namespace, timer: Timer) -> dict:
-    """AdamW's step on each block's parameters, in seconds (the trainer's optimizer, bench.make_optimizer)."""
+    """AdamW's step on each block's parameters, in seconds (the trainer's optimizer, kit.train.options.make_optimizer)."""
     out = {}
     for kind in ("Encoder", "Layer", "Decoder"):
         block = make_block(kind, cfg, "fp32", False, timer.device)
         for q in block.parameters():
             q.grad = torch.randn_like(q)
-        opt = bench.make_optimizer(block.parameters(), 1e-3, False)
+        opt = kit.train.options.make_optimizer(block.parameters(), 1e-3, False)
         out[kind] = timer.median(opt.step, warmup=2)
     return out
 
@@ -229,7 +242,7 @@ def time_engine(engine: str, timer: Timer) -> dict:
     times = {}
     for chunks in (1, 16):
         parts = [torch.nn.Sequential(torch.nn.Linear(8, 8)).to(d) for d in devices]
-        model = bench.PipeModel(parts, engine, chunks, [str(d) for d in devices])
+        model = kit.train.pipe.PipeModel(parts, engine, chunks, [str(d) for d in devices])
         x = torch.randn(16, 8, device=devices[0])
         try:
             times[chunks] = timer.median(lambda: model(x).float().sum().backward(), warmup=3)
@@ -245,19 +258,19 @@ def time_stage_engine(cuda: bool, timer: Timer) -> dict | None:
     per step and per micro-batch and stage (the schedule, the sends and receives of a tiny activation). Every task
     takes part; None where the stage layout cannot run (one task, an odd count, torch < 2.4)."""
     world = idr_torch.size
-    if world < 2 or world % 2 or ct.version_tuple(torch.__version__) < (2, 4):
+    if world < 2 or world % 2 or kit.releases.version_tuple(torch.__version__) < (2, 4):
         return None
     import bench_stage
-    # 1F1B, or GPipe where the trainer refuses 1F1B (on gloo before torch 2.8: check_topology.TORCH_FEATURES)
-    schedule = "gpipe" if ct.torch_refusals(torch.__version__, ct.Training(layout="stage", schedule="1f1b"),
-                                            cpu=not cuda) else "1f1b"
+    # 1F1B, or GPipe where the trainer refuses 1F1B (on gloo before torch 2.8: kit.releases.TORCH_FEATURES)
+    one_f_one_b = kit.arguments.Training(layout="stage", schedule="1f1b")
+    schedule = "gpipe" if kit.releases.torch_refusals(torch.__version__, one_f_one_b, cpu=not cuda) else "1f1b"
     times = {}
     for chunks in (2, 16):
         cfg = bench_stage.parse_args(["--pp", "2", "--schedule", schedule, "--nlayers", "2", "--d-model", "8",
                                       "--n-head", "1", "--d-hid", "8",
                                       "--seq-len", "4", "--vocab-size", "16", "--chunks", str(chunks),
                                       "--batch-size", "16", "--dropout", "0"])
-        bench.resolve(cfg, cuda)
+        kit.train.setup.resolve(cfg, cuda)
         stages = bench_stage.Stages(cfg, bench_stage.make_plan(cfg, cuda), cuda)
         stages.start()
         x, y = torch.randint(0, 16, (16, 4)), torch.randint(0, 2, (16,))
@@ -275,25 +288,25 @@ STAGE_MODEL = ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size",
 def time_stage_steps(cfg: argparse.Namespace, cuda: bool, max_micro: int, timer: Timer) -> dict | None:
     """Real steps of the stage layout with the real model: bench_stage.Stages, pp 2 over all tasks (dp = tasks / 2),
     the schedule the trainer allows here; 2 and 8 micro-batches of 1, 4, 16 and 64 samples (up to --max-micro):
-    [[micro, chunks, seconds], ...]. check_topology._stage_fit finds in them what the stage layout costs beyond its
+    [[micro, chunks, seconds], ...]. kit.speed._stage_fit finds in them what the stage layout costs beyond its
     bare blocks: per micro-batch DDP's hooks on every stage (find_unused_parameters' graph walk), the loss, the
     schedule's bookkeeping (a tiny model's stages, time_stage_engine, showed 2 to 4 times less); on the blocks, a
     stage's distinct Layers, whose weights a single Layer timed alone keeps in the cache, and on a CPU the stages
     that compute at once (more of the step with more micro-batches) sharing the memory's bandwidth.
     None where the stage layout cannot run (one task, an odd count, torch < 2.4, under 2 Layers)."""
     world = idr_torch.size
-    if world < 2 or world % 2 or ct.version_tuple(torch.__version__) < (2, 4) or cfg.nlayers < 2:
+    if world < 2 or world % 2 or kit.releases.version_tuple(torch.__version__) < (2, 4) or cfg.nlayers < 2:
         return None
     import bench_stage
-    schedule = "gpipe" if ct.torch_refusals(torch.__version__, ct.Training(layout="stage", schedule="1f1b"),
-                                            cpu=not cuda) else "1f1b"
+    one_f_one_b = kit.arguments.Training(layout="stage", schedule="1f1b")
+    schedule = "gpipe" if kit.releases.torch_refusals(torch.__version__, one_f_one_b, cpu=not cuda) else "1f1b"
     model_argv = [a for k in STAGE_MODEL for a in (f"--{k.replace('_', '-')}", str(getattr(cfg, k)))]
     points = []
     for micro, chunks in [(m, c) for m in (1, 4, 16, 64) for c in (2, 8) if m <= max_micro]:
         batch = micro * chunks
         stage_cfg = bench_stage.parse_args(["--pp", "2", "--schedule", schedule, "--chunks", str(chunks),
                                             "--batch-size", str(batch), *model_argv])
-        bench.resolve(stage_cfg, cuda)
+        kit.train.setup.resolve(stage_cfg, cuda)
         stages = bench_stage.Stages(stage_cfg, bench_stage.make_plan(stage_cfg, cuda), cuda)
         stages.start()
         x, y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)), torch.randint(0, 2, (batch,))
@@ -301,7 +314,7 @@ def time_stage_steps(cfg: argparse.Namespace, cuda: bool, max_micro: int, timer:
 
         def step():  # as train_epoch runs it: the step, then the stop flag's all-reduce (StopRequest.agreed)
             stages.train_step(x, y)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=bench.HOST_GROUP[0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=kit.train.launch.HOST_GROUP[0])
         try:
             points.append([micro, chunks, timer.median(step, warmup=2)])
         finally:
@@ -319,10 +332,10 @@ def time_replica_step(cfg: argparse.Namespace, engine: str, micro: int, timer: T
     flag."""
     from torch.nn.parallel import DistributedDataParallel
     parts = model_parts(cfg, 1, "fp32", False, [timer.device])
-    model = bench.PipeModel(parts, engine, 1, [str(timer.device)])
+    model = kit.train.pipe.PipeModel(parts, engine, 1, [str(timer.device)])
     try:
         ddp = DistributedDataParallel(model, process_group=group)
-        opt = bench.make_optimizer(model.parameters(), 1e-3, False)
+        opt = kit.train.options.make_optimizer(model.parameters(), 1e-3, False)
         flag = torch.zeros(1)
         x = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len), device=timer.device)
         y = torch.randint(0, 2, (micro,), device=timer.device)
@@ -331,7 +344,7 @@ def time_replica_step(cfg: argparse.Namespace, engine: str, micro: int, timer: T
             opt.zero_grad(set_to_none=True)
             bench.forward_backward(ddp, x, y)
             opt.step()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=bench.HOST_GROUP[0] or group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=kit.train.launch.HOST_GROUP[0] or group)
         return timer.median(step, warmup=3)
     finally:
         model.close()
@@ -430,7 +443,7 @@ def node_ranks(launch: idr_torch.Launch) -> tuple[list[int], list[int]]:
 
 def barrier() -> None:
     if idr_torch.size > 1:
-        dist.barrier(group=bench.HOST_GROUP[0])
+        dist.barrier(group=kit.train.launch.HOST_GROUP[0])
 
 
 def compute_contexts(cfg: argparse.Namespace, precisions: list[str], max_micro: int, timer: Timer,
@@ -459,10 +472,10 @@ def profile_key(cfg: argparse.Namespace, cuda: bool, device: torch.device) -> di
     release, the model's block (--nlayers does not matter: a Layer is timed once)."""
     node_type = None
     if os.environ.get("SLURM_JOB_ID"):
-        node_type = ct.node_type(ct.job_from_allocation(dict(os.environ)))
+        node_type = kit.site.node_type(kit.allocation.job_from_allocation(dict(os.environ)))
     return {"node_type": node_type, "partition": os.environ.get("SLURM_JOB_PARTITION"),
             "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-            "model": {k: getattr(cfg, k) for k in ct.PROFILE_MODEL}, "nlayers": cfg.nlayers}
+            "model": {k: getattr(cfg, k) for k in kit.speed.PROFILE_MODEL}, "nlayers": cfg.nlayers}
 
 
 def out_problem(out: str) -> str | None:
@@ -486,7 +499,7 @@ def out_problem(out: str) -> str | None:
     folder = target.resolve().parent
     if not folder.is_dir():
         return f"--out {out}: folder {folder} does not exist; create it (mkdir -p {folder})"
-    try:  # really create (and remove) a file there, as the trainer checks its outputs (bench.check_outputs)
+    try:  # really create (and remove) a file there, as the trainer checks its outputs (kit.train.checkpoint.check_outputs)
         fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
         os.close(fd)
         os.unlink(probe)
@@ -499,7 +512,7 @@ def write_json(obj: dict, target: Path) -> None:
     """Whole or not at all: a new temporary file beside `target` (one file system, so the rename is atomic),
     fsync'ed, renamed over it, the folder fsync'ed; on any failure (a full disk, Ctrl-C) the temporary file is
     removed and `target` is as it was."""
-    tmp = bench.temporary_file(target)
+    tmp = kit.train.checkpoint.temporary_file(target)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the user's umask, as the trainer's files
     try:
         with os.fdopen(fd, "w") as f:
@@ -510,15 +523,16 @@ def write_json(obj: dict, target: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    bench.sync_folder(target.parent)
+    kit.train.checkpoint.sync_folder(target.parent)
 
 
-def measure(args: argparse.Namespace, cfg: argparse.Namespace, cuda: bool, plan: ct.TaskPlan, engine: str) -> dict:
+def measure(args: argparse.Namespace, cfg: argparse.Namespace, cuda: bool, plan: kit.plan.TaskPlan,
+            engine: str) -> dict:
     launch = idr_torch.current()
     devices = [torch.device(plan.device(i)) for i in range(plan.nb_part)] or [torch.device("cpu")]
     timer = Timer(devices, args.repeats)
     t0 = time.time()
-    profile = {"format": ct.PROFILE_FORMAT, "key": profile_key(cfg, cuda, devices[0]),
+    profile = {"format": kit.speed.PROFILE_FORMAT, "key": profile_key(cfg, cuda, devices[0]),
                "taken": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
                "device": "cuda" if cuda else "cpu", "backend": dist.get_backend() if launch.size > 1 else None,
                "nodes": launch.num_nodes, "tasks_per_node": launch.local_world_size, "max_micro": args.max_micro,
@@ -542,23 +556,23 @@ def measure(args: argparse.Namespace, cfg: argparse.Namespace, cuda: bool, plan:
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse(argv)
     cuda = torch.cuda.is_available()
-    bench.resolve(cfg, cuda)
-    findings = ct.Findings()
-    plan = bench.task_plan(cuda, cfg.nlayers, None, findings)
-    bench.verdict(findings)
+    kit.train.setup.resolve(cfg, cuda)
+    findings = kit.findings.Findings()
+    plan = kit.train.setup.task_plan(cuda, cfg.nlayers, None, findings)
+    kit.train.setup.verdict(findings)
     bench.use_gpus(plan)  # torch.cuda.set_device(first_part) before anything touches CUDA
     launch = idr_torch.current()
-    torch.set_num_threads(bench.cpu_threads(launch))
-    engine = bench.pick_engine(cfg.engine)
+    torch.set_num_threads(kit.train.setup.cpu_threads(launch))
+    engine = kit.train.pipe.pick_engine(cfg.engine)
     rpc_file = None
     problem = out_problem(args.out) if launch.rank == 0 else None
     # resolved once: through a link, the file it points to is replaced and the link stays
     out = Path(args.out).expanduser().resolve()
     try:
-        bench.check_rendezvous(launch, cfg.timeout)
+        kit.train.launch.check_rendezvous(launch, cfg.timeout)
         bench.init_distributed(cfg.timeout, cuda)
-        bench.agree(problem, launch)  # every task stops on task 0's verdict, before a minute of timing
-        rpc_file = bench.init_rpc_for_pipe() if engine == "torch-pipe" else None
+        kit.train.launch.agree(problem, launch)  # every task stops on task 0's verdict, before a minute of timing
+        rpc_file = kit.train.pipe.init_rpc_for_pipe() if engine == "torch-pipe" else None
         profile = measure(args, cfg, cuda, plan, engine)
         if launch.rank == 0:
             try:
@@ -566,9 +580,9 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:  # the folder was checked: a disk or quota that filled during the timing
                 problem = (f"--out {args.out}: the profile could not be written ({exc.strerror or exc}); nothing "
                            "half-written is left: free some space (or give another --out) and run it again")
-        bench.agree(problem, launch)
+        kit.train.launch.agree(problem, launch)
         if launch.rank == 0:
-            bench.log(f"profile: {args.out} written in {profile['seconds']:.0f} s ({profile['key']['gpu']}, torch "
+            kit.train.errors.log(f"profile: {args.out} written in {profile['seconds']:.0f} s ({profile['key']['gpu']}, torch "
                       f"{profile['key']['torch']}, {launch.size} task(s) on {launch.num_nodes} node(s))")
         barrier()
     finally:
@@ -582,4 +596,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    bench.cli(lambda: main(), "speed_profile")
+    kit.train.errors.cli(lambda: main(), "speed_profile")

@@ -30,7 +30,8 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import check_topology as ct  # noqa: E402  (torch-free: the speed model)
+import kit.arguments  # noqa: E402  (torch-free: the speed model)
+import kit.speed  # noqa: E402  (torch-free: the speed model)
 
 KEY = ("device", "gpus", "tasks", "nb_part", "batch_per_gpu", "batch_size", "chunks", "layout", "precision",
        "activation_checkpointing", "zero")
@@ -70,7 +71,7 @@ FIGURES = {"samples_per_s": POSITIVE, "epoch_time_s": POSITIVE, "peak_gpu_mem_gb
            "host_rss_gb": AT_LEAST_0, "estimated_mem_gb": AT_LEAST_0, "test_acc": FRACTION}
 COUNT_MAX = 1_000_000  # tasks, GPUs, replicas, parts, nodes: far above any allocation, far below a hostile value
 # batch_size, chunks, pp, the model: the trainer's own ranges (not nb_part: a stage layout record holds its pp there)
-TRAINER_ARGS = {a.dest: a for a in ct.ARGS if a.dest != "nb_part"}
+TRAINER_ARGS = {a.dest: a for a in kit.arguments.ARGS if a.dest != "nb_part"}
 
 
 class RecordsError(Exception):
@@ -159,7 +160,7 @@ def checked_figures(where: str, record: dict) -> list[str]:
 
 def value_problem(record: dict, field: str) -> str | None:
     """Why record[field] is not a value the trainers write, or None: for the trainer's own arguments (batch_size,
-    chunks, the model) what its command line takes (check_topology.ARGS), for counts of tasks, GPUs, replicas,
+    chunks, the model) what its command line takes (kit.arguments.ARGS), for counts of tasks, GPUs, replicas,
     parts and nodes a whole number from 1 to COUNT_MAX."""
     if field not in record:
         return f"no {field!r}"
@@ -205,8 +206,8 @@ def table_problem(r: dict) -> str | None:
                 else f"device {shown(r['device'])} is not cuda or cpu")
     if r["layout"] not in ("replica", "stage"):
         return f"layout {shown(r['layout'])} is not replica or stage"
-    if r["precision"] not in ct.PRECISIONS:
-        return f"precision {shown(r['precision'])} is not one of {', '.join(ct.PRECISIONS)}"
+    if r["precision"] not in kit.arguments.PRECISIONS:
+        return f"precision {shown(r['precision'])} is not one of {', '.join(kit.arguments.PRECISIONS)}"
     for field in ("activation_checkpointing", "zero"):
         if not isinstance(r[field], bool):
             return f"{field} {shown(r[field])} is not true or false"
@@ -245,11 +246,11 @@ def predict(row: dict, profile: dict) -> float | str:
     if why := next(filter(None, (value_problem(rec, k) for k in needed)), None):
         return f"not predicted ({why})"  # a hostile value (nlayers 1e9, pp 1e9) never reaches the simulation
     try:
-        t = ct.Training(layout=row["layout"], pp=int(rec.get("pp") or 2), schedule=rec.get("schedule") or "1f1b",
+        t = kit.arguments.Training(layout=row["layout"], pp=int(rec.get("pp") or 2), schedule=rec.get("schedule") or "1f1b",
                         precision=row["precision"], activation_checkpointing=bool(row["activation_checkpointing"]),
                         zero=bool(row["zero"]))
         model = {k: rec[k] for k in MODEL_FIELDS} | {"batch_size": row["batch_size"], "chunks": row["chunks"]}
-        guess = ct.predict_speed(profile, model, t, t.pp if stage else row["nb_part"], int(rec["replicas"]),
+        guess = kit.speed.predict_speed(profile, model, t, t.pp if stage else row["nb_part"], int(rec["replicas"]),
                                  int(rec["tasks_per_node"]), int(rec.get("nodes") or 1))
     except (KeyError, TypeError, ValueError) as exc:  # ProfileError is a ValueError
         return f"not predicted ({type(exc).__name__}: {exc})"
@@ -482,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report.py: {why}", file=sys.stderr)
         return 2
     try:
-        profile = ct.read_profile(args.profile) if args.profile else None
+        profile = kit.speed.read_profile(args.profile) if args.profile else None
         records, problems = load(args.results)
-    except (RecordsError, ct.ProfileError) as exc:
+    except (RecordsError, kit.speed.ProfileError) as exc:
         print(f"report.py: {exc}", file=sys.stderr)
         return 2
     for msg in problems:

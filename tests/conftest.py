@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +17,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local_slurm import LocalCluster, SlurmUnavailable, unavailable_reason  # noqa: E402
+
+# A shell's background job (`make test &`, `( ... & )` in a script) starts with SIGINT ignored, and an ignored signal
+# stays ignored across exec: the trainers these tests start would be deaf to the Ctrl-C the signal tests send, and
+# hold_stop_signals() keeps an ignored SIGINT ignored (as it must for a user's background job). pytest's own default
+# is Python's handler, which its children get back as the default action.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def skip_or_fail(reason: str, required_by: str) -> None:
@@ -42,6 +50,18 @@ def started_cluster(variant: str = "default"):
     finally:
         cluster.stop()
         shutil.rmtree(root / "db", ignore_errors=True)  # the accounting variant's database (90 MB); logs stay
+
+
+@pytest.fixture(autouse=True)
+def own_environment():
+    """Every test's changes to os.environ end with it: idr_torch.export_env() and nccl_environment() write it
+    themselves (monkeypatch undoes only its own setenv), and a RANK=4 left by one test made the trainers that a later
+    test started print nothing (only rank 0 speaks)."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,15 @@ from pathlib import Path
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench_ddp_transformer as bench  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import kit.train.loop  # noqa: E402
 from hybrid_step_worker import global_batch, start_replica, stop_replica  # noqa: E402
 
 HOST_OPS = ("aten.lift_fresh", "aten._local_scalar_dense")
-KIT_FILES = ("bench_ddp_transformer.py", "bench_stage.py")
+# the kit's own code: the trainers and their machinery
+KIT_FILES = (ROOT / "bench_ddp_transformer.py", ROOT / "bench_stage.py")
+KIT_TRAIN = ROOT / "kit" / "train"
 # the frames torch puts between the op's caller and __torch_dispatch__ (the mode runs with dynamo disabled)
 DISPATCH_MACHINERY = ("torch/_dynamo/", "torch/_compile.py", "torch/utils/_python_dispatch.py", "torch/_ops.py")
 
@@ -36,8 +39,9 @@ class HostOps(TorchDispatchMode):
             # CPU tensor unless capturable or fused, with .item(): no GPU sync; the CPU can't tell the two apart)
             caller = [f for f in traceback.extract_stack() if f.filename != __file__
                       and not any(m in f.filename for m in DISPATCH_MACHINERY)][-1]
-            if Path(caller.filename).name in KIT_FILES:
-                self.seen.append(f"{func} at {Path(caller.filename).name}:{caller.lineno} ({caller.line})")
+            where = Path(caller.filename).resolve()
+            if where in KIT_FILES or where.parent == KIT_TRAIN:
+                self.seen.append(f"{func} at {where.relative_to(ROOT)}:{caller.lineno} ({caller.line})")
         return func(*args, **(kwargs or {}))
 
 
@@ -45,10 +49,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     cfg, _, _, trainer, rpc_file = start_replica(sys.argv[2:])
     x, y = global_batch(cfg, 1)
-    trainer.set_lr(bench.lr_at(cfg, 0, 10))
+    trainer.set_lr(kit.train.loop.lr_at(cfg, 0, 10))
     trainer.train_step(x, y)  # the first step builds DDP's buckets: not what is timed
     with HostOps() as rec:
-        trainer.set_lr(bench.lr_at(cfg, 1, 10))
+        trainer.set_lr(kit.train.loop.lr_at(cfg, 1, 10))
         stats = trainer.train_step(x, y)
         evals = trainer.eval_step(x, y)
     out.write_text(json.dumps({"ops": rec.seen, "stats": stats.tolist(), "eval": evals.tolist()}))

@@ -11,6 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_ddp_transformer as bench  # noqa: E402
+import kit.train.pipe  # noqa: E402
+import kit.train.setup  # noqa: E402
 import idr_torch  # noqa: E402
 
 
@@ -25,11 +27,11 @@ def start_replica(argv: list[str]):
     """The trainer's Replica for `argv`, started on the CPU as the trainer starts it (process group, RPC for the
     built-in Pipe): (cfg, plan, engine, trainer, rpc_file). Also used by tests/host_sync_worker.py."""
     cfg = bench.parse_args(argv)
-    bench.resolve(cfg, cuda=False)
-    plan = bench.make_plan(cfg, cuda=False)
-    engine = bench.pick_engine(cfg.engine)
+    kit.train.setup.resolve(cfg, cuda=False)
+    plan = kit.train.setup.make_plan(cfg, cuda=False)
+    engine = kit.train.pipe.pick_engine(cfg.engine)
     bench.init_distributed(120, cuda=False)
-    rpc_file = bench.init_rpc_for_pipe() if engine == "torch-pipe" else None
+    rpc_file = kit.train.pipe.init_rpc_for_pipe() if engine == "torch-pipe" else None
     trainer = bench.Replica(cfg, plan, engine)
     trainer.start()
     return cfg, plan, engine, trainer, rpc_file

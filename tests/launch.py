@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +23,25 @@ TORCH = tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version("tor
 # what a launcher, a job or nccl_environment() sets: a test's processes get only what the test gives them
 _STRIP = ("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC",
           "CUDA_VISIBLE_DEVICES", "DSDIR", "SCRATCH", "TORCH_NCCL_", "TORCH_FR_", "NCCL_")
+
+
+# What a user copies to $WORK (README, "On the cluster"): the entry points and the kit/ folder beside them.
+KIT = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py", "kit")
+
+
+def copy_kit(target: Path, extra: tuple[str, ...] = ()) -> None:
+    """The kit as a user's copy of it in `target` (no caches), and `extra` paths of the repository beside it."""
+    for name in KIT + extra:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, target / name)
+
+
+def checker_source() -> str:
+    """The checker's whole source: its command line and the kit's modules (the checks, tables and findings)."""
+    return "\n".join(p.read_text() for p in [ROOT / "check_topology.py", *sorted((ROOT / "kit").glob("*.py"))])
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_ddp_transformer as bench  # noqa: E402
+import kit.train.setup  # noqa: E402
 import bench_stage  # noqa: E402
 import idr_torch  # noqa: E402
 from hybrid_step_worker import global_batch  # noqa: E402
@@ -18,7 +19,7 @@ from hybrid_step_worker import global_batch  # noqa: E402
 def main() -> None:
     out_dir = Path(sys.argv[1])
     cfg = bench_stage.parse_args(sys.argv[2:])
-    bench.resolve(cfg, cuda=False)
+    kit.train.setup.resolve(cfg, cuda=False)
     plan = bench_stage.make_plan(cfg, cuda=False)
     bench.init_distributed(120, cuda=False)
     trainer = bench_stage.Stages(cfg, plan, cuda=False)

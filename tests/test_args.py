@@ -23,11 +23,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import check_topology as ct
+import kit.arguments
+import kit.checks
+import kit.findings
+import kit.jobscript
+import kit.trainer_checks
 from launch import ROOT, clean_env, srun_envs
 
-SCRIPTS = ct.SCRIPTS
+SCRIPTS = kit.arguments.SCRIPTS
 TASKS = {"replica": 2, "stage": 4}  # the job's tasks on its one node of 4 GPUs
-TORCH = ct.installed_torch_version()
+TORCH = kit.trainer_checks.installed_torch_version()
 # Nothing wrong in the job but what its trainer line says: no -C/-p (the GPU's memory unknown: no fit to judge), the
 # installed torch's module (so the checker knows the release the trainer refuses things for).
 HEADER = ("#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node={tasks} --gres=gpu:4 -c 10 --hint=nomultithread -t 1:00:00\n"
@@ -46,24 +51,24 @@ def task_envs(layout: str) -> list[dict[str, str]]:
     return [dict(env, CUDA_VISIBLE_DEVICES="0,1,2,3", SLURM_GPUS_ON_NODE="4") for env in srun_envs(TASKS[layout])]
 
 
-def checker(layout: str, argv: list[str], folder: Path) -> tuple[int, list[ct.Finding]]:
+def checker(layout: str, argv: list[str], folder: Path) -> tuple[int, list[kit.findings.Finding]]:
     """The checker on a job script whose trainer line is `argv`: its exit status and findings, the line's
     location taken off their messages."""
     path = folder / "job.slurm"
     path.write_text(HEADER.format(tasks=TASKS[layout]) + f"srun python {SCRIPTS[layout]} {shlex.join(argv)}\n")
-    job, training, findings = ct.read_sbatch(path)
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(path)
+    report = kit.checks.check_job(job, training)
     report.findings[:0] = findings
-    out = [ct.Finding(f.level, f.code, re.sub(r"^job\.slurm:\d+: ", "", f.message)) for f in report.findings]
+    out = [kit.findings.Finding(f.level, f.code, re.sub(r"^job\.slurm:\d+: ", "", f.message)) for f in report.findings]
     line = {"unknown-argument", "bad-argument", "bad-layout", "bad-engine", "bad-schedule"}
     errors = [f for f in out if f.level == "error"]
     status = 2 if any(f.code in line for f in findings if f.level == "error") else 1 if errors else 0
     return status, out
 
 
-def trainer(layout: str, argv: list[str]) -> list[tuple[int, ct.Findings]]:
+def trainer(layout: str, argv: list[str]) -> list[tuple[int, kit.findings.Findings]]:
     """Every task's --check-args verdict (its status and findings)."""
-    return [ct.check_args(layout, argv, env)[:2] for env in task_envs(layout)]
+    return [kit.trainer_checks.check_args(layout, argv, env)[:2] for env in task_envs(layout)]
 
 
 def compare(layout: str, argv: list[str], folder: Path) -> None:
@@ -84,18 +89,18 @@ def compare(layout: str, argv: list[str], folder: Path) -> None:
 
 
 # ---- generated lines ---------------------------------------------------------------------------------------------
-def flags_of(layout: str) -> list[ct.Arg]:
-    return [a for a in ct.ARGS if layout in a.layouts and a.group != "mode"]
+def flags_of(layout: str) -> list[kit.arguments.Arg]:
+    return [a for a in kit.arguments.ARGS if layout in a.layouts and a.group != "mode"]
 
 
 SMALL = {"nlayers": (1, 20), "chunks": (1, 12), "batch_size": (1, 96), "nb_part": (1, 6), "pp": (1, 6),
          "virtual_stages": (1, 4), "d_model": (2, 40), "n_head": (1, 8)}  # where dividing or not is likely
 
 
-def good_value(a: ct.Arg) -> st.SearchStrategy[str]:
+def good_value(a: kit.arguments.Arg) -> st.SearchStrategy[str]:
     if a.choices:
         return st.sampled_from(a.choices)
-    if a.kind is ct.gpu_indices:
+    if a.kind is kit.arguments.gpu_indices:
         return st.lists(st.integers(0, 4), min_size=1, max_size=5).map(lambda d: ",".join(map(str, d)))
     if a.kind is int:
         lo, hi = SMALL.get(a.dest, (a.lo, min(a.hi, a.lo + 50)))
@@ -105,7 +110,7 @@ def good_value(a: ct.Arg) -> st.SearchStrategy[str]:
     return st.sampled_from(["/tmp/x", "data", "out.jsonl"])
 
 
-def bad_value(a: ct.Arg) -> st.SearchStrategy[str]:
+def bad_value(a: kit.arguments.Arg) -> st.SearchStrategy[str]:
     edges = [str(x) for x in (a.lo, a.hi) if x is not None]
     outside = [str(a.lo - 1)] if a.lo is not None and a.kind is int else []
     outside += [str(a.hi + 1), str(10 * a.hi)] if a.hi is not None and a.kind is int else []
@@ -130,7 +135,7 @@ def option(layout: str) -> st.SearchStrategy[list[str]]:
             i = draw(st.integers(2, len(flag) - 1))
             flag = flag[:i] + flag[i + 1:] if draw(st.booleans()) else flag[:i] + flag[i] + flag[i:]
         elif kind == "other":
-            flag = draw(st.sampled_from([b.flag for b in ct.ARGS if layout not in b.layouts] + ["--layout"]))
+            flag = draw(st.sampled_from([b.flag for b in kit.arguments.ARGS if layout not in b.layouts] + ["--layout"]))
         if a.kind is None and kind != "switch=":
             return [flag]
         if kind == "novalue":
@@ -185,7 +190,7 @@ def test_hand_picked_lines(tmp_path, layout, argv):
 def in_process(layout: str, argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = ct.check_args_main(layout, argv, env)
+        status = kit.trainer_checks.check_args_main(layout, argv, env)
     return status, out.getvalue(), err.getvalue()
 
 
@@ -237,16 +242,16 @@ def test_check_args_imports_no_torch(tmp_path):
 
 # ---- the definition ------------------------------------------------------------------------------------------------
 def test_every_default_is_in_its_range_and_the_views_agree():
-    for a in ct.ARGS:
+    for a in kit.arguments.ARGS:
         for default in {a.gpu, a.cpu_default} - {None}:
             if a.kind is not None:
                 assert a.convert(str(default)) == (default, None), a.flag
-    assert ct.GPU_DEFAULTS == {a.dest: a.gpu for a in ct.ARGS if a.group == "model"}
-    assert ct.CPU_DEFAULTS["nlayers"] == 4 and ct.GPU_DEFAULTS["nlayers"] == 16
-    assert ct.Training().pp == ct.ARG["pp"].gpu and ct.Training().schedule == ct.ARG["schedule"].gpu
+    assert kit.arguments.GPU_DEFAULTS == {a.dest: a.gpu for a in kit.arguments.ARGS if a.group == "model"}
+    assert kit.arguments.CPU_DEFAULTS["nlayers"] == 4 and kit.arguments.GPU_DEFAULTS["nlayers"] == 16
+    assert kit.arguments.Training().pp == kit.arguments.ARG["pp"].gpu and kit.arguments.Training().schedule == kit.arguments.ARG["schedule"].gpu
     for layout in SCRIPTS:  # the help of both trainers builds, from the one definition
-        text = ct.trainer_parser(layout, "doc").format_help()
-        assert all(a.flag in text for a in ct.ARGS if layout in a.layouts)
+        text = kit.arguments.trainer_parser(layout, "doc").format_help()
+        assert all(a.flag in text for a in kit.arguments.ARGS if layout in a.layouts)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -269,16 +274,16 @@ def test_every_default_is_in_its_range_and_the_views_agree():
     (["--engine", "pipe"], "--engine 'pipe' is not one of auto, torch-pipe, fairscale"),
 ])
 def test_refusals_name_the_value_and_the_fix(argv, needle):
-    with pytest.raises(ct.ArgumentError) as exc:
-        ct.parse_trainer_args("replica", argv)
+    with pytest.raises(kit.arguments.ArgumentError) as exc:
+        kit.arguments.parse_trainer_args("replica", argv)
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_a_dollar_is_text_to_the_trainer():
     """bash expanded the line before the trainer sees it: a '$' left in a value is the value's own."""
-    assert ct.parse_trainer_args("replica", ["--save", "$WORK/x.pt"]).save == "$WORK/x.pt"
-    with pytest.raises(ct.ArgumentError, match=r"--nlayers '\$N' must be an integer"):
-        ct.parse_trainer_args("replica", ["--nlayers", "$N"])
+    assert kit.arguments.parse_trainer_args("replica", ["--save", "$WORK/x.pt"]).save == "$WORK/x.pt"
+    with pytest.raises(kit.arguments.ArgumentError, match=r"--nlayers '\$N' must be an integer"):
+        kit.arguments.parse_trainer_args("replica", ["--nlayers", "$N"])
 
 
 def test_the_checkers_own_flags_come_from_the_definition(capsys):
@@ -296,7 +301,8 @@ V100_16 = ("#!/bin/bash\n#SBATCH -C v100-16g -N 1 --ntasks-per-node={tpn} --gres
            "-t 1:00:00\n")
 
 
-def check_line(tmp_path: Path, trainer_line: str, tpn: int = 4, *cli: str) -> tuple[int, str, list[ct.Finding]]:
+def check_line(tmp_path: Path, trainer_line: str, tpn: int = 4, *cli: str) -> tuple[int, str,
+                                                                                    list[kit.findings.Finding]]:
     path = tmp_path / "job.slurm"
     path.write_text(V100_16.format(tpn=tpn) + trainer_line + "\n")
     out = io.StringIO()
@@ -304,10 +310,10 @@ def check_line(tmp_path: Path, trainer_line: str, tpn: int = 4, *cli: str) -> tu
         status = ct.main([str(path), *cli, "--json"])
     import json
     data = json.loads(out.getvalue())
-    return status, out.getvalue(), [ct.Finding(**f) for f in data["findings"]]
+    return status, out.getvalue(), [kit.findings.Finding(**f) for f in data["findings"]]
 
 
-def codes(findings: list[ct.Finding]) -> set[str]:
+def codes(findings: list[kit.findings.Finding]) -> set[str]:
     return {f.code for f in findings}
 
 
@@ -369,17 +375,17 @@ def test_a_refused_line_is_not_judged_further(tmp_path):
 
 
 # ---- docs/arguments.md lists the definition as it is -----------------------------------------------------------
-def doc_row(a: ct.Arg) -> str:
+def doc_row(a: kit.arguments.Arg) -> str:
     """One argument's row in docs/arguments.md's table, from ARGS."""
-    kind = "switch" if a.kind is None else "GPU list" if a.kind is ct.gpu_indices else a.kind.__name__
-    where = ", ".join(ct.SCRIPTS[layout] for layout in a.layouts) if len(a.layouts) == 1 else "both"
-    show = (lambda v: "-" if v is None else "off" if v is False else f"`{ct._show(v)}`")
+    kind = "switch" if a.kind is None else "GPU list" if a.kind is kit.arguments.gpu_indices else a.kind.__name__
+    where = ", ".join(kit.arguments.SCRIPTS[layout] for layout in a.layouts) if len(a.layouts) == 1 else "both"
+    show = (lambda v: "-" if v is None else "off" if v is False else f"`{kit.arguments.show_value(v)}`")
     if a.choices:
         values = " ".join(f"`{c}`" for c in a.choices)
     elif a.lo is not None:
         values = a.range_text().split(" ", 2)[2] + (f" ({a.why})" if a.why else "")
     else:
-        values = a.range_text() if a.kind is ct.gpu_indices else "-"
+        values = a.range_text() if a.kind is kit.arguments.gpu_indices else "-"
     values = values.replace("<", "&lt;").replace(">", "&gt;")
     return f"| `{a.flag}` | {where} | {kind} | {show(a.gpu)} | {show(a.cpu_default)} | {values} |"
 
@@ -387,4 +393,4 @@ def doc_row(a: ct.Arg) -> str:
 def test_the_docs_table_is_the_definition():
     text = (ROOT / "docs" / "arguments.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `--")]
-    assert rows == [doc_row(a) for a in ct.ARGS]
+    assert rows == [doc_row(a) for a in kit.arguments.ARGS]

@@ -15,6 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import check_topology as ct
+import kit.allocation
+import kit.arguments
+import kit.checks
+import kit.findings
+import kit.jobscript
+import kit.placement
+import kit.plan
+import kit.report
+import kit.slurm
+from launch import checker_source
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = Path(__file__).resolve().parent / "sbatch"
@@ -26,13 +36,13 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 # ---- the page's two configurations ----------------------------------------------------------------------------
-def pairs(report: ct.Report) -> list[tuple[int, int, tuple[str, ...]]]:
+def pairs(report: kit.report.Report) -> list[tuple[int, int, tuple[str, ...]]]:
     return [(p.node, p.local_rank, tuple(p.node_gpus)) for p in report.tasks]
 
 
 def test_page_three_nodes_four_gpus_two_tasks():
-    report = ct.check_job(ct.Job(nodes=3, gpus_per_node=4, ntasks_per_node=2, cpus_per_task=20,
-                                 hint="nomultithread", constraint="v100-32g", time="1:00:00"), ct.Training(nlayers=8, chunks=8))
+    report = kit.checks.check_job(kit.slurm.Job(nodes=3, gpus_per_node=4, ntasks_per_node=2, cpus_per_task=20,
+                                 hint="nomultithread", constraint="v100-32g", time="1:00:00"), kit.arguments.Training(nlayers=8, chunks=8))
     assert report.ok and not report.findings, [str(f) for f in report.findings]
     assert len(report.tasks) == 6
     assert pairs(report) == [(n, l, g) for n in range(3) for l, g in ((0, ("0", "1")), (1, ("2", "3")))]
@@ -41,8 +51,9 @@ def test_page_three_nodes_four_gpus_two_tasks():
 
 
 def test_page_two_nodes_eight_gpus_four_tasks():
-    report = ct.check_job(ct.Job(nodes=2, gpus_per_node=8, ntasks_per_node=4, cpus_per_task=6, hint="nomultithread",
-                                 partition="gpu_p2", time="20:00:00"), ct.Training(nlayers=8, chunks=8))
+    report = kit.checks.check_job(kit.slurm.Job(nodes=2, gpus_per_node=8, ntasks_per_node=4, cpus_per_task=6,
+                                                hint="nomultithread",
+                                 partition="gpu_p2", time="20:00:00"), kit.arguments.Training(nlayers=8, chunks=8))
     assert report.ok and not report.findings, [str(f) for f in report.findings]
     assert len(report.tasks) == 8
     expect = [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
@@ -80,7 +91,7 @@ def page_loop(nlayers: int, nb_part: int) -> list[int]:
 @given(st.integers(1, 16), st.integers(1, 12))
 def test_split_equals_page_when_divisible(nb_part, per_part):
     nlayers = nb_part * per_part
-    assert ct.split_layers(nlayers, nb_part) == page_loop(nlayers, nb_part)
+    assert kit.plan.split_layers(nlayers, nb_part) == page_loop(nlayers, nb_part)
 
 
 @settings(max_examples=300, deadline=None)
@@ -88,13 +99,13 @@ def test_split_equals_page_when_divisible(nb_part, per_part):
 def test_split_properties(nlayers, nb_part):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        parts = ct.split_layers(nlayers, nb_part)
+        parts = kit.plan.split_layers(nlayers, nb_part)
     assert len(parts) == nlayers  # every layer exactly once
     assert parts == sorted(parts)  # contiguous, in order
     assert all(0 <= p < nb_part for p in parts)
     sizes = [parts.count(p) for p in range(nb_part)]
     assert max(sizes) - min(sizes) <= 1  # balanced
-    assert sizes == ct.part_sizes(nlayers, nb_part)
+    assert sizes == kit.plan.part_sizes(nlayers, nb_part)
     if nlayers >= nb_part:
         assert set(parts) == set(range(nb_part))  # no idle part
 
@@ -121,10 +132,11 @@ def ours_grouping(nlayers: int, nb_part: int) -> list[list[int]]:
     .to(cuda:i) recorded instead of done (no GPU here)."""
     torch = pytest.importorskip("torch")
     import bench_ddp_transformer as b
+    import kit.train.setup
     cfg = b.parse_args(["--nlayers", str(nlayers), "--d-model", "2", "--n-head", "1", "--d-hid", "2",
                         "--vocab-size", "8", "--seq-len", "2"])
-    b.resolve(cfg, cuda=False)
-    plan = ct.plan_task(0, 0, 0, 1, [str(i) for i in range(nb_part)], nb_part, nlayers, nb_part)
+    kit.train.setup.resolve(cfg, cuda=False)
+    plan = kit.plan.plan_task(0, 0, 0, 1, [str(i) for i in range(nb_part)], nb_part, nlayers, nb_part)
     placed: dict[int, int] = {}
 
     def to(module, device, *args, **kwargs):
@@ -153,51 +165,51 @@ def test_page_loop_mixes_two_gpus_in_one_partition_where_ours_does_not():
     for n, k in [(n, k) for n, k in mixed if n <= 16]:  # ... and ours never does (the real build: 0.1 s each)
         groups = ours_grouping(n, k)
         assert len(groups) == k and all(len(set(g)) == 1 for g in groups) and [g[0] for g in groups] == list(range(k))
-    assert ct.part_sizes(7, 2) == [3, 4]  # the extra layer goes to the last part, not the Encoder's
+    assert kit.plan.part_sizes(7, 2) == [3, 4]  # the extra layer goes to the last part, not the Encoder's
 
 
 def test_split_below_nb_part_is_defined_with_a_warning():
     with pytest.warns(UserWarning, match=r"nlayers \(1\) < nb_part \(4\): 3 part\(s\) get no Layer"):
-        assert ct.split_layers(1, 4) == [3]
-    assert ct.part_contents(1, 4) == ["Encoder", "(nothing)", "(nothing)", "Layer 0 + Decoder"]
+        assert kit.plan.split_layers(1, 4) == [3]
+    assert kit.plan.part_contents(1, 4) == ["Encoder", "(nothing)", "(nothing)", "Layer 0 + Decoder"]
 
 
 def test_part_contents():
-    assert ct.part_contents(8, 2) == ["Encoder + Layer 0-3", "Layer 4-7 + Decoder"]
-    assert ct.part_contents(3, 3) == ["Encoder + Layer 0", "Layer 1", "Layer 2 + Decoder"]
-    assert ct.part_contents(4, 1) == ["Encoder + Layer 0-3 + Decoder"]
+    assert kit.plan.part_contents(8, 2) == ["Encoder + Layer 0-3", "Layer 4-7 + Decoder"]
+    assert kit.plan.part_contents(3, 3) == ["Encoder + Layer 0", "Layer 1", "Layer 2 + Decoder"]
+    assert kit.plan.part_contents(4, 1) == ["Encoder + Layer 0-3 + Decoder"]
 
 
 # ---- one task's plan --------------------------------------------------------------------------------------------
 def test_plan_page_indexing_when_all_gpus_visible():
-    plan = ct.plan_task(3, 1, 1, 2, ["0", "1", "2", "3"], 4, nlayers=8)
+    plan = kit.plan.plan_task(3, 1, 1, 2, ["0", "1", "2", "3"], 4, nlayers=8)
     assert (plan.nb_part, plan.first_part, plan.last_part, plan.devices, plan.bound) == (2, 2, 3, [2, 3], False)
     assert plan.device(0) == "cuda:2" and plan.device(1) == "cuda:3"
 
 
 def test_plan_starts_at_zero_when_bound_per_task():
     # --gpus-per-task=2: task 1 sees CUDA_VISIBLE_DEVICES=2,3, i.e. cuda:0 and cuda:1 (seen on the test cluster)
-    plan = ct.plan_task(1, 0, 1, 2, ["2", "3"], 4, nlayers=8)
+    plan = kit.plan.plan_task(1, 0, 1, 2, ["2", "3"], 4, nlayers=8)
     assert (plan.nb_part, plan.devices, plan.node_gpus, plan.bound) == (2, [0, 1], ["2", "3"], True)
-    assert ct.page_indexing(1, 2, 2) == (1, 1, 1)  # the page would use 1 GPU of 2
+    assert kit.plan.page_indexing(1, 2, 2) == (1, 1, 1)  # the page would use 1 GPU of 2
 
 
 def test_plan_index_past_visible_is_an_error():
-    findings = ct.Findings()
-    plan = ct.plan_task(1, 0, 1, 2, ["0", "1", "2", "3"], 4, nlayers=8, nb_part=4, findings=findings)
+    findings = kit.findings.Findings()
+    plan = kit.plan.plan_task(1, 0, 1, 2, ["0", "1", "2", "3"], 4, nlayers=8, nb_part=4, findings=findings)
     assert [f.code for f in findings] == ["gpu-index-past-visible"]
     assert "GPU index 4 (and 3 more) but sees only 4 GPU(s)" in findings[0].message
     assert plan.devices == []
 
 
 def test_plan_cpu():
-    plan = ct.plan_task(0, 0, 0, 1, [], None, nlayers=4)
-    assert plan.cpu and plan.nb_part == ct.CPU_NB_PART and plan.device(1) == "cpu"
+    plan = kit.plan.plan_task(0, 0, 0, 1, [], None, nlayers=4)
+    assert plan.cpu and plan.nb_part == kit.arguments.CPU_NB_PART and plan.device(1) == "cpu"
 
 
 def test_plan_torchrun_without_slurm_counts():
     # torchrun on a 4-GPU workstation, 2 processes: every process sees all 4 GPUs
-    plan = ct.plan_task(1, 0, 1, 2, ["0", "1", "2", "3"], None, nlayers=8)
+    plan = kit.plan.plan_task(1, 0, 1, 2, ["0", "1", "2", "3"], None, nlayers=8)
     assert plan.devices == [2, 3]
 
 
@@ -218,8 +230,8 @@ def expectations(path: Path) -> tuple[set[str], int]:
 @pytest.mark.parametrize("path", GOOD, ids=lambda p: p.parent.name + "/" + p.stem)
 def test_good_sbatch_files_check_clean(path):
     """No finding, or (the templates) only warnings the file explains in a '# check_topology: <code> ...' comment."""
-    job, training, findings = ct.read_sbatch(path)
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(path)
+    report = kit.checks.check_job(job, training)
     report.findings[:0] = findings
     explained = set(re.findall(r"^#+ check_topology: ([a-z0-9-]+)", path.read_text(), re.M))
     unexplained = [str(f) for f in report.findings if f.level == "error" or f.code not in explained]
@@ -270,7 +282,7 @@ NOT_IN_CORPUS = {
 
 def emitted_codes() -> dict[str, set[str]]:
     """Every (code, level) check_topology.py can emit, read off its source."""
-    src = (ROOT / "check_topology.py").read_text()
+    src = checker_source()
     found: dict[str, set[str]] = {}
     for method, code in re.findall(r'\.(error|warn)\(\s*"([a-z0-9-]+)"', src):
         found.setdefault(code, set()).add("error" if method == "error" else "warning")
@@ -278,7 +290,7 @@ def emitted_codes() -> dict[str, set[str]]:
 
 
 def test_catches_table_is_what_the_code_emits():
-    table = {code: set(level.split("/")) for code, (level, _) in ct.CATCHES.items()}
+    table = {code: set(level.split("/")) for code, (level, _) in kit.findings.CATCHES.items()}
     assert table == emitted_codes()
 
 
@@ -286,7 +298,7 @@ def test_docs_list_exactly_the_catches():
     """docs/checker.md's catalogue (section 9) is CATCHES, code by code and level by level."""
     text = (ROOT / "docs" / "checker.md").read_text()
     listed = dict(re.findall(r"^- `([a-z0-9-]+)` \(([a-z/]+)\):", text, re.M))
-    assert listed == {code: level for code, (level, _) in ct.CATCHES.items()}
+    assert listed == {code: level for code, (level, _) in kit.findings.CATCHES.items()}
 
 
 def script_expectations(path: Path) -> set[str]:
@@ -295,46 +307,46 @@ def script_expectations(path: Path) -> set[str]:
 
 def test_corpus_covers_every_catch():
     covered = set().union(*(expectations(p)[0] for p in BAD), *(script_expectations(p) for p in SCRIPTS))
-    assert covered <= set(ct.CATCHES), covered - set(ct.CATCHES)
-    missing = set(ct.CATCHES) - covered - set(NOT_IN_CORPUS)
+    assert covered <= set(kit.findings.CATCHES), covered - set(kit.findings.CATCHES)
+    missing = set(kit.findings.CATCHES) - covered - set(NOT_IN_CORPUS)
     assert not missing, f"no corpus file for {sorted(missing)}"
 
 
 def test_messages_give_numbers_and_fix():
-    job, training, findings = ct.read_sbatch(CORPUS / "bad" / "chunks_not_dividing.slurm")
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(CORPUS / "bad" / "chunks_not_dividing.slurm")
+    report = kit.checks.check_job(job, training)
     [f] = [f for f in report.findings if f.code == "chunks-not-dividing-batch"]
     assert f.message == ("--chunks=6 must divide the batch size per replica (64): the micro-batches would differ "
                          "in size; try --chunks 4 or 8")
-    job, training, findings = ct.read_sbatch(CORPUS / "bad" / "ntasks_mismatch.slurm")
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(CORPUS / "bad" / "ntasks_mismatch.slurm")
+    report = kit.checks.check_job(job, training)
     [f] = [f for f in report.findings if f.code == "ntasks-mismatch"]
     assert "--ntasks=5" in f.message and "2,2,1" in f.message and "set --ntasks=6" in f.message
 
 
 def test_directive_parsing_forms():
-    f = ct.Findings()
-    opts, rest = ct.parse_options(["-N", "3", "-N3", "--nodes=3", "--nodes", "3", "--exclusive", "-c20",
+    f = kit.findings.Findings()
+    opts, rest = kit.slurm.parse_options(["-N", "3", "-N3", "--nodes=3", "--nodes", "3", "--exclusive", "-c20",
                                    "--gres=gpu:4", "-vv", "--tasks-per-node", "2"], "x", f)
     assert opts == [("nodes", "3")] * 4 + [("exclusive", None), ("cpus-per-task", "20"), ("gres", "gpu:4"),
                                            ("verbose", None), ("verbose", None), ("ntasks-per-node", "2")]
     assert not f and rest == []
-    opts, rest = ct.parse_options(["-N", "2", "--exact", "python", "-u", "x.py"], "x", f, prog="srun")
+    opts, rest = kit.slurm.parse_options(["-N", "2", "--exact", "python", "-u", "x.py"], "x", f, prog="srun")
     assert opts == [("nodes", "2"), ("exact", None)] and rest == ["python", "-u", "x.py"] and not f
     for gres, n in (("gpu:4", 4), ("gpu:v100:4", 4), ("gpu:4(S:0-1)", 4), ("gpu", 1), ("nvme:1,gpu:2", 2),
                     ("gpu:a100", 1)):
-        assert ct.gres_gpus(gres, "x", f) == n, gres
+        assert kit.slurm.gres_gpus(gres, "x", f) == n, gres
 
 
 def test_sbatch_reads_last_value_and_srun_overrides(tmp_path):
     script = tmp_path / "job.slurm"
     script.write_text("#!/bin/bash\n#SBATCH -N 2\n#SBATCH --nodes=3 --ntasks-per-node=4 --gres=gpu:4\n"
                       "srun --ntasks-per-node=2 python ./bench_ddp_transformer.py --chunks=8 --batch-size 64\n")
-    job, training, findings = ct.read_sbatch(script)
+    job, training, findings = kit.jobscript.read_sbatch(script)
     assert (job.nodes, job.ntasks_per_node, job.gres_gpus, job.step_ntasks_per_node) == (3, 4, 4, 2)
     assert (training.chunks, training.batch_size) == (8, 64)
     # srun inherits SLURM_NTASKS=12 from the job, so it ignores --ntasks-per-node=2 (measured: 4(x3))
-    report = ct.check_job(job, training)
+    report = kit.checks.check_job(job, training)
     assert [p.tasks_on_node for p in report.tasks] == [4] * 12
     assert "srun-ntasks-per-node-ignored" in {f.code for f in report.findings}
 
@@ -372,22 +384,22 @@ def test_allocation_from_batch_environment():
            "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4",
            "SLURM_CPUS_PER_TASK": "10", "SLURM_HINT": "nomultithread", "SLURM_JOB_NODELIST": "node[1-3]",
            "SLURM_JOB_PARTITION": "gpu_p13"}
-    report = ct.check_job(ct.job_from_allocation(env), ct.Training(nlayers=8, chunks=8))
+    report = kit.checks.check_job(kit.allocation.job_from_allocation(env), kit.arguments.Training(nlayers=8, chunks=8))
     assert pairs(report)[:2] == [(0, 0, ("0", "1")), (0, 1, ("2", "3"))]
     assert [f.code for f in report.findings] == ["cpus-per-task-small"]  # 10 < 2 GPUs x 10 cores
     uneven = dict(env, SLURM_TASKS_PER_NODE="2(x2),1", SLURM_NTASKS="5")
     del uneven["SLURM_NTASKS_PER_NODE"]
-    report = ct.check_job(ct.job_from_allocation(uneven), ct.Training(nlayers=8))
+    report = kit.checks.check_job(kit.allocation.job_from_allocation(uneven), kit.arguments.Training(nlayers=8))
     assert "uneven-tasks-per-node" in {f.code for f in report.findings} and not report.ok
 
 
 # ---- the stage layout (torch.distributed.pipelining): a task per GPU, pipelines of --pp tasks ----------------------
-def stage_report(**kw) -> ct.Report:
-    training = ct.Training(nlayers=kw.pop("nlayers", 16), chunks=kw.pop("chunks", 8), batch_size=64,
+def stage_report(**kw) -> kit.report.Report:
+    training = kit.arguments.Training(nlayers=kw.pop("nlayers", 16), chunks=kw.pop("chunks", 8), batch_size=64,
                            layout="stage", pp=kw.pop("pp", 4), schedule=kw.pop("schedule", "1f1b"))
-    job = ct.Job(nodes=kw.pop("nodes", 2), gpus_per_node=4, ntasks_per_node=kw.pop("tpn", 4), cpus_per_task=10,
+    job = kit.slurm.Job(nodes=kw.pop("nodes", 2), gpus_per_node=4, ntasks_per_node=kw.pop("tpn", 4), cpus_per_task=10,
                  hint="nomultithread", constraint="v100-32g", time="1:00:00")
-    return ct.check_job(job, training)
+    return kit.checks.check_job(job, training)
 
 
 def test_stage_layout_clean_plan():
@@ -425,9 +437,9 @@ def test_stage_layout_from_sbatch_line(tmp_path):
     script.write_text("#!/bin/bash\n#SBATCH -C v100-32g -N 2 --gres=gpu:4 --ntasks-per-node=4 -c 10 "
                       "--hint=nomultithread -t 1:00:00\n"
                       "srun python bench_stage.py --pp 3 --schedule gpipe --nlayers 12\n")
-    job, training, findings = ct.read_sbatch(script)
+    job, training, findings = kit.jobscript.read_sbatch(script)
     assert (training.layout, training.pp, training.schedule) == ("stage", 3, "gpipe")
-    report = ct.check_job(job, training)
+    report = kit.checks.check_job(job, training)
     assert "pp-not-dividing-world" in {f.code for f in report.findings}
 
 
@@ -460,8 +472,8 @@ def script_for(sbatch: str, srun: str, tmp_path: Path, trainer: str = "srun") ->
 
 @pytest.mark.parametrize("sbatch,srun,seen", MEASURED, ids=lambda v: str(v))
 def test_placement_measured(sbatch, srun, seen, tmp_path):
-    job, training, findings = ct.read_sbatch(script_for(sbatch, srun, tmp_path))
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(script_for(sbatch, srun, tmp_path))
+    report = kit.checks.check_job(job, training)
     per_node = [sum(1 for p in report.tasks if p.node == n) for n in sorted({p.node for p in report.tasks})]
     assert sum(per_node) == len(report.tasks)
     if seen is None:
@@ -485,8 +497,8 @@ def test_placement_measured(sbatch, srun, seen, tmp_path):
     ("-N3 -n6", "--ntasks-per-node=2", "srun-ntasks-per-node-conflict"),  # measured 3,2,1
 ])
 def test_placement_refusals(sbatch, srun, code, tmp_path):
-    job, training, findings = ct.read_sbatch(script_for(sbatch, srun, tmp_path))
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(script_for(sbatch, srun, tmp_path))
+    report = kit.checks.check_job(job, training)
     codes = {f.code for f in report.findings}
     assert (code in codes) if code else not codes & {"ntasks-mismatch", "uneven-tasks-per-node"}, report.text()
     for p in report.tasks:  # every task's tasks_on_node is the number of tasks the plan put on its node
@@ -494,10 +506,10 @@ def test_placement_refusals(sbatch, srun, code, tmp_path):
 
 
 def test_trainer_without_srun_runs_one_process(tmp_path):
-    job, training, findings = ct.read_sbatch(script_for("-N1 --ntasks-per-node=1", "", tmp_path, trainer=""))
-    assert ct.check_job(job, training).ok  # one task: python alone is fine
-    job, training, findings = ct.read_sbatch(script_for("-N2 --ntasks-per-node=1", "", tmp_path, trainer=""))
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(script_for("-N1 --ntasks-per-node=1", "", tmp_path, trainer=""))
+    assert kit.checks.check_job(job, training).ok  # one task: python alone is fine
+    job, training, findings = kit.jobscript.read_sbatch(script_for("-N2 --ntasks-per-node=1", "", tmp_path, trainer=""))
+    report = kit.checks.check_job(job, training)
     [f] = [f for f in report.findings if f.code == "trainer-without-srun"]
     assert "2 task(s) on 2 node(s)" in f.message and "1 process" in f.message and len(report.tasks) == 1
 
@@ -505,9 +517,9 @@ def test_trainer_without_srun_runs_one_process(tmp_path):
 def test_spread_adds_up():
     for n in range(1, 13):
         for caps in ([4, 4, 4], [2, 2, 2], [4, 1, 1], [1, 3]):
-            counts = ct.spread(n, caps)
+            counts = kit.placement.spread(n, caps)
             assert sum(counts) == min(n, sum(caps)) and all(c <= m for c, m in zip(counts, caps))
-    assert ct.packing(6, 3, None) == [4, 1, 1] and ct.packing(9, 3, 4) == [4, 4, 1]
+    assert kit.placement.packing(6, 3, None) == [4, 1, 1] and kit.placement.packing(9, 3, 4) == [4, 4, 1]
 
 
 # ---- options, checked against Slurm's own tables -----------------------------------------------------------------
@@ -519,7 +531,7 @@ def man_options(prog: str) -> dict[str, str]:
     version = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "slurm-client"], capture_output=True,
                              text=True).stdout if shutil.which("dpkg-query") else ""
     if not version.startswith("22.05"):
-        pytest.skip(f"the installed {prog} is not Slurm 22.05, whose tables check_topology.py holds")
+        pytest.skip(f"the installed {prog} is not Slurm 22.05, whose tables kit/slurm.py holds")
     found = {}
     for line in out.stdout.splitlines():
         for name, arg in re.findall(r"^ {7}(?:-[A-Za-z], )?--([a-z0-9][a-z0-9_-]*)(\[=|=|\s|$)", line):
@@ -527,7 +539,7 @@ def man_options(prog: str) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("prog,table", [("sbatch", ct.SBATCH_LONG), ("srun", ct.SRUN_LONG)])
+@pytest.mark.parametrize("prog,table", [("sbatch", kit.slurm.SBATCH_LONG), ("srun", kit.slurm.SRUN_LONG)])
 def test_option_tables_match_the_man_pages(prog, table):
     documented = man_options(prog)
     hidden = {"tasks-per-node"} | ({"pack-group", "cpu_bind"} if prog == "srun" else set())  # accepted, measured
@@ -537,15 +549,16 @@ def test_option_tables_match_the_man_pages(prog, table):
 
 
 def test_getopt_rules():
-    f = ct.Findings()
-    assert ct.long_option("ntasks-per-nod", ct.SBATCH_LONG, "sbatch", "x", f) == "ntasks-per-node"
-    assert ct.long_option("node", ct.SBATCH_LONG, "sbatch", "x", f) is None  # measured: ambiguous (nodes, nodelist..)
-    assert ct.long_option("ntasks-per-noed", ct.SBATCH_LONG, "sbatch", "x", f) is None
+    f = kit.findings.Findings()
+    assert kit.slurm.long_option("ntasks-per-nod", kit.slurm.SBATCH_LONG, "sbatch", "x", f) == "ntasks-per-node"
+    assert kit.slurm.long_option("node", kit.slurm.SBATCH_LONG, "sbatch", "x",
+                                 f) is None  # measured: ambiguous (nodes, nodelist..)
+    assert kit.slurm.long_option("ntasks-per-noed", kit.slurm.SBATCH_LONG, "sbatch", "x", f) is None
     assert [x.code for x in f] == ["option-prefix", "ambiguous-option", "unknown-option"]
     assert "did you mean --ntasks-per-node?" in f[2].message and "--nodelist" in f[1].message
-    f = ct.Findings()
-    ct.parse_options(["-y"], "x", f)
-    ct.parse_options(["--hold=1"], "x", f)
+    f = kit.findings.Findings()
+    kit.slurm.parse_options(["-y"], "x", f)
+    kit.slurm.parse_options(["--hold=1"], "x", f)
     assert [x.code for x in f] == ["unknown-option", "bad-value"]
 
 
@@ -554,16 +567,17 @@ def test_parse_errors(tmp_path):
     script.write_text("#!/bin/bash\n#SBATCH -J 'unbalanced\n#SBATCH -N 1-3 --gres=gpu:4 --gpu-bind=mask_gpu:0x3\n"
                       "#SBATCH hetjob\n#SBATCH --gpu-bind=closest\n"
                       "srun --gres=gpu:2 python bench_ddp_transformer.py --engine x --layout y --schedule z 'q\n")
-    job, training, findings = ct.read_sbatch(script)
+    job, training, findings = kit.jobscript.read_sbatch(script)
     codes = {f.code for f in findings}
     assert {"bad-directive", "node-range", "gpu-bind-mask", "hetjob", "gpu-bind-closest", "bad-command"} <= codes, codes
     script.write_text("#!/bin/bash\n#SBATCH -N 1 --gres=gpu:4\n"
                       "srun --gres=gpu:2 python bench_ddp_transformer.py --engine x --layout y --schedule z\n")
-    job, training, findings = ct.read_sbatch(script)
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(script)
+    report = kit.checks.check_job(job, training)
     codes = {f.code for f in findings} | {f.code for f in report.findings}
     assert {"srun-gpu-option", "bad-engine", "bad-layout"} <= codes, codes
-    assert "bad-schedule" in {f.code for f in ct.check_job(job, ct.Training(layout="stage", schedule="z")).findings}
+    stage = kit.arguments.Training(layout="stage", schedule="z")
+    assert "bad-schedule" in {f.code for f in kit.checks.check_job(job, stage).findings}
 
 
 @pytest.mark.parametrize("line,refused", [
@@ -575,22 +589,22 @@ def test_the_other_layouts_arguments_are_refused(tmp_path, line, refused):
     script = tmp_path / "mixed.slurm"
     script.write_text("#!/bin/bash\n#SBATCH -C v100-32g -N 1 --ntasks-per-node=4 --gres=gpu:4 -c 10 "
                       f"--hint=nomultithread -t 1:00:00\n{line}\n")
-    job, training, findings = ct.read_sbatch(script)
+    job, training, findings = kit.jobscript.read_sbatch(script)
     bad = [f for f in findings if f.code == "bad-layout"]
     assert len(bad) == 1 and bad[0].level == "error" and f"has no {refused}" in bad[0].message, [str(f) for f in findings]
 
 
 def test_cpu_defaults_are_the_trainers():
-    report = ct.check_job(ct.Job(nodes=1, ntasks_per_node=1), ct.Training())
-    assert report.training.nlayers == ct.CPU_DEFAULTS["nlayers"]  # no GPU: the trainer runs its CPU model
-    report = ct.check_job(ct.Job(nodes=1, ntasks_per_node=1, gpus_per_node=4), ct.Training())
-    assert report.training.nlayers == ct.GPU_DEFAULTS["nlayers"]
+    report = kit.checks.check_job(kit.slurm.Job(nodes=1, ntasks_per_node=1), kit.arguments.Training())
+    assert report.training.nlayers == kit.arguments.CPU_DEFAULTS["nlayers"]  # no GPU: the trainer runs its CPU model
+    report = kit.checks.check_job(kit.slurm.Job(nodes=1, ntasks_per_node=1, gpus_per_node=4), kit.arguments.Training())
+    assert report.training.nlayers == kit.arguments.GPU_DEFAULTS["nlayers"]
 
 
 # ---- --devices: an explicit GPU per part (the one-GPU check puts both parts on GPU 0) --------------------------
 def test_devices_put_two_parts_on_one_gpu():
-    findings = ct.Findings()
-    plan = ct.plan_task(0, 0, 0, 1, ["0"], 1, 4, 2, findings, devices=[0, 0])
+    findings = kit.findings.Findings()
+    plan = kit.plan.plan_task(0, 0, 0, 1, ["0"], 1, 4, 2, findings, devices=[0, 0])
     assert (plan.nb_part, plan.devices, plan.node_gpus) == (2, [0, 0], ["0", "0"])
     assert [f.code for f in findings] == ["parts-share-gpu"] and "GPU 0" in findings[0].message
 
@@ -600,8 +614,8 @@ def test_devices_put_two_parts_on_one_gpu():
     ([0, 1], None, "gpu-index-past-visible", "GPU index 1"),
 ])
 def test_devices_errors(devices, nb_part, code, needle):
-    findings = ct.Findings()
-    ct.plan_task(0, 0, 0, 1, ["0"], 1, 4, nb_part, findings, devices=devices)
+    findings = kit.findings.Findings()
+    kit.plan.plan_task(0, 0, 0, 1, ["0"], 1, 4, nb_part, findings, devices=devices)
     assert code in [f.code for f in findings.errors] and needle in " ".join(f.message for f in findings)
 
 
@@ -610,9 +624,9 @@ def test_devices_on_the_trainer_line_and_the_command_line(tmp_path, capsys):
     script.write_text("#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node=1 --gres=gpu:1 -c 10 --hint=nomultithread "
                       "-t 0:20:00 -C v100-32g\n"
                       "srun python bench_ddp_transformer.py --nb-part 2 --devices 0,0 --chunks 8 --nlayers 4\n")
-    job, training, findings = ct.read_sbatch(script)
+    job, training, findings = kit.jobscript.read_sbatch(script)
     assert training.devices == [0, 0]
-    report = ct.check_job(job, training)
+    report = kit.checks.check_job(job, training)
     codes = {f.code for f in report.findings}
     assert "parts-share-gpu" in codes and "gpu-shared" not in codes and report.ok, [str(f) for f in report.findings]
     assert report.tasks[0].devices == [0, 0]
@@ -631,11 +645,12 @@ def test_the_same_devices_in_every_task_of_a_node_is_refused_with_its_fix(capsys
 
 
 def test_parts_that_share_a_gpu_add_up_in_the_estimate():
-    job = ct.Job(nodes=1, gpus_per_node=1, ntasks_per_node=1, cpus_per_task=10, hint="nomultithread",
+    job = kit.slurm.Job(nodes=1, gpus_per_node=1, ntasks_per_node=1, cpus_per_task=10, hint="nomultithread",
                  constraint="v100-16g", time="0:20:00")
-    alone = ct.check_job(job, ct.Training(nlayers=16, chunks=8, batch_size=64, nb_part=2))
+    alone = kit.checks.check_job(job, kit.arguments.Training(nlayers=16, chunks=8, batch_size=64, nb_part=2))
     assert "does-not-fit" not in {f.code for f in alone.findings}, [str(f) for f in alone.findings]  # 2 GPUs' worth
-    report = ct.check_job(job, ct.Training(nlayers=16, chunks=8, batch_size=64, nb_part=2, devices=[0, 0]))
+    report = kit.checks.check_job(job, kit.arguments.Training(nlayers=16, chunks=8, batch_size=64, nb_part=2,
+                                                              devices=[0, 0]))
     bad = [f for f in report.findings if f.code == "does-not-fit"]
     assert len(bad) == 1 and "puts parts 0,1 on GPU 0" in bad[0].message, [str(f) for f in report.findings]
     assert any("GPU 0 holds parts 0,1" in n for n in report.notes)

@@ -13,18 +13,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch import ROOT, clean_env
+from launch import ROOT, clean_env, copy_kit
 
 pytestmark = pytest.mark.slurm
-SCRIPTS = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py",
-           "site_slurm.py")
 OWNED = ("page_3nodes_4gpus.slurm", "page_2nodes_8gpus.slurm", "stage_2nodes_4gpus.slurm")
 CORES = len(os.sched_getaffinity(0))
 TASKS_PER_NODE = 2 if CORES >= 4 else 1
@@ -57,8 +54,7 @@ def fit(text: str) -> str:
 
 def run_template(cluster, tmp_path: Path, name: str, text: str) -> tuple[list[dict], str]:
     """sbatch --wait the script: every task's CPU placement from the trainer's record, and the job's output."""
-    for script in SCRIPTS:
-        shutil.copy(ROOT / script, tmp_path / script)
+    copy_kit(tmp_path)
     (tmp_path / name).write_text(text)
     env = clean_env(**cluster.env)
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"

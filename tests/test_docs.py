@@ -29,7 +29,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import check_topology as ct  # noqa: E402  (the repository root, as the other tests import it)
+import kit.releases  # noqa: E402  (the repository root, as the other tests import it)
+import kit.slurm  # noqa: E402
+from launch import checker_source  # noqa: E402
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 WORDS = {"python", "python3", "srun", "sbatch", "make", "torchrun", "bash", "sh", "pip", "module", "cp", "cd",
@@ -275,6 +277,11 @@ def check_pytest(cmd: Command, args: list[str]) -> None:
 def check_python(cmd: Command, ws: list[str]) -> None:
     if ws[1:3] == ["-m", "pytest"]:
         return check_pytest(cmd, ws[3:])
+    if ws[1] == "-m" and ws[2].startswith("kit."):  # a module of the kit run as a program: it runs, or says why not
+        assert (ROOT / (ws[2].replace(".", "/") + ".py")).is_file(), f"{cmd.where}: `{cmd.text}`: no module {ws[2]}"
+        r = run([PY, *ws[1:]])
+        assert r.returncode in (0, 1) and "Traceback" not in r.stderr, f"{cmd.where}: `{cmd.text}`:\n{r.stderr}"
+        return None
     script, args = ws[1], ws[2:]
     if script == "check_topology.py":
         return run_checker(cmd, args)
@@ -304,7 +311,7 @@ def check_options(cmd: Command, options: list[str], long: dict[str, str], short:
     for w in options:
         if w.startswith("--"):
             name = w[2:].split("=")[0]
-            assert name in long or name in ct.ALIASES, f"{cmd.where}: `{cmd.text}`: {w} is not an option of 22.05"
+            assert name in long or name in kit.slurm.ALIASES, f"{cmd.where}: `{cmd.text}`: {w} is not an option of 22.05"
         elif w.startswith("-") and len(w) > 1:
             assert w[1] in short, f"{cmd.where}: `{cmd.text}`: {w} is not an option of 22.05"
 
@@ -330,8 +337,8 @@ SUBMITTED = {"page_3nodes_4gpus.slurm": "tests/test_slurm.py::test_page_three_no
 def check_sbatch(cmd: Command, ws: list[str]) -> None:
     """sbatch's options are 22.05's; the job script is one of slurm/'s templates, the checker accepts it, and the
     Slurm tests submit it (for real where SUBMITTED names the test, else with --test-only)."""
-    options, rest = split_slurm(ws, ct.SBATCH_LONG, ct.SBATCH_SHORT)
-    check_options(cmd, options, ct.SBATCH_LONG, ct.SBATCH_SHORT)
+    options, rest = split_slurm(ws, kit.slurm.SBATCH_LONG, kit.slurm.SBATCH_SHORT)
+    check_options(cmd, options, kit.slurm.SBATCH_LONG, kit.slurm.SBATCH_SHORT)
     if rest:
         script = script_path(rest[0])
         assert script.parent == ROOT / "slurm", f"{cmd.where}: `{cmd.text}`: not one of slurm/'s templates"
@@ -341,8 +348,8 @@ def check_sbatch(cmd: Command, ws: list[str]) -> None:
 
 
 def check_srun(cmd: Command, ws: list[str]) -> None:
-    options, rest = split_slurm(ws, ct.SRUN_LONG, ct.SRUN_SHORT)
-    check_options(cmd, options, ct.SRUN_LONG, ct.SRUN_SHORT)
+    options, rest = split_slurm(ws, kit.slurm.SRUN_LONG, kit.slurm.SRUN_SHORT)
+    check_options(cmd, options, kit.slurm.SRUN_LONG, kit.slurm.SRUN_SHORT)
     if rest and rest[0] == "python" and len(rest) > 1 and rest[1] in TRAINERS:
         run_trainer(cmd, rest[1], rest[2:])
     else:  # options alone (quoted from the prose), or a program the prose names as a placeholder
@@ -351,10 +358,10 @@ def check_srun(cmd: Command, ws: list[str]) -> None:
 
 def check_module(cmd: Command, ws: list[str]) -> None:
     assert ws[1] in ("load", "purge"), f"{cmd.where}: `{cmd.text}`"
-    source = (ROOT / "check_topology.py").read_text()
+    source = checker_source()
     for name in ws[2:]:
         if name.startswith("pytorch"):
-            assert ct.torch_version_of(name), f"{cmd.where}: the checker reads no torch release in {name}"
+            assert kit.releases.torch_version_of(name), f"{cmd.where}: the checker reads no torch release in {name}"
         else:
             assert name in source, f"{cmd.where}: the checker knows no module {name}"
 
@@ -416,7 +423,7 @@ def classify(cmd: Command):
         "srun": lambda: check_srun(cmd, ws),
         "module": lambda: check_module(cmd, ws),
         "pip": lambda: check_pip(cmd, ws),
-        "cp": lambda: check_files(cmd, ws[1:-1]),
+        "cp": lambda: check_files(cmd, [w for w in ws[1:-1] if not w.startswith("-")]),
         "bash": lambda: check_files(cmd, ws[1:2]),
         "cd": lambda: None if len(ws) == 2 and ws[1].startswith("$") else check_files(cmd, ws[1:]),
     }

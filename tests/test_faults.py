@@ -15,7 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import check_topology as ct
+import kit.checks
+import kit.findings
+import kit.jobscript
 import idr_torch
 from launch import ROOT, bench, clean_env, srun_envs
 
@@ -60,12 +62,13 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     ((3, None), 64, 3),  # a companion from before samples_in_epoch: its batch count
     ((0, 0), 64, 0)])
 def test_resume_inside_an_epoch_with_another_global_batch(saved, now, skip):
-    import bench_ddp_transformer as b
+    import kit.train.checkpoint
+    import kit.train.launch
     batches, per_step = saved
     state = {"epoch": 0, "batch_in_epoch": batches}
     if per_step is not None:
         state["samples_in_epoch"] = batches * per_step
-    assert b.batches_to_skip(state, now) == skip
+    assert kit.train.checkpoint.batches_to_skip(state, now) == skip
 
 
 @pytest.mark.multiproc
@@ -133,15 +136,16 @@ def test_dead_rank_stops_every_other_task(tmp_path):
 
 
 def test_only_a_dead_peer_is_lost_contact():
-    import bench_ddp_transformer as b
-    assert b.is_comm_error(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    import kit.train.checkpoint
+    import kit.train.launch
+    assert kit.train.launch.is_comm_error(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                                         "[127.0.0.1]:20866. This is typically caused by a remote worker crashing."))
-    assert b.is_comm_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or "
+    assert kit.train.launch.is_comm_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or "
                                         "there was a network error, NCCL version 2.21.5"))
     for other in ("CUDA out of memory. Tried to allocate 2.00 GiB (NCCL buffers in use)",
                   "Tensors must be CUDA and dense (gloo)", "peer access is not supported between these devices",
                   "mat1 and mat2 shapes cannot be multiplied (32x64 and 128x2)", "connection layer weight mismatch"):
-        assert not b.is_comm_error(RuntimeError(other)), other
+        assert not kit.train.launch.is_comm_error(RuntimeError(other)), other
 
 
 # ---- a dependency missing next to a cluster's PyTorch module: one line that says what to install ----------------------
@@ -166,7 +170,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     target = tmp_path / "ckpt.pt"
     code = f"""
 import sys, pathlib, torch; sys.path.insert(0, {str(ROOT)!r})
-from bench_ddp_transformer import atomic_torch_save
+from kit.train.checkpoint import atomic_torch_save
 big = torch.zeros(64, 2**20)  # 256 MiB: a save takes a good fraction of a second
 for i in range(1, 100):
     big[0, 0] = i
@@ -253,9 +257,9 @@ def test_fuzz_sbatch_parser(tmp_path, lines):
     path = tmp_path / "fuzz.slurm"
     path.write_text("#!/bin/bash\n" + "\n".join(lines) + "\n")
     try:
-        job, training, findings = ct.read_sbatch(path)
-        report = ct.check_job(job, training)
-    except ct.UsageError:
+        job, training, findings = kit.jobscript.read_sbatch(path)
+        report = kit.checks.check_job(job, training)
+    except kit.findings.UsageError:
         return
     report.text()
     report.as_dict()

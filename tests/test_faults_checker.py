@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import check_topology as ct
+import kit.jobscript
+import kit.trainer_checks
 import idr_torch
 from launch import ROOT
 
@@ -107,9 +109,9 @@ def test_the_issues_two_scripts_are_one_finding_within_a_second(tmp_path, text, 
 def test_a_line_of_megabytes_is_read_within_a_second(tmp_path, line):
     """Lines of several MB (quadratic before: about 4 minutes at the 4 MiB cap): linear now, and cut by the budget."""
     script = tmp_path / "long.slurm"
-    text = ("#!/bin/bash\n#SBATCH -N 1\n" + line)[:ct.MAX_SCRIPT_BYTES - 20] + "\nsrun python t.py\n"
+    text = ("#!/bin/bash\n#SBATCH -N 1\n" + line)[:kit.jobscript.MAX_SCRIPT_BYTES - 20] + "\nsrun python t.py\n"
     script.write_text(text)
-    assert 4 * 10 ** 6 < script.stat().st_size <= ct.MAX_SCRIPT_BYTES
+    assert 4 * 10 ** 6 < script.stat().st_size <= kit.jobscript.MAX_SCRIPT_BYTES
     out = limited([str(script), "--json"])
     assert out.returncode in (0, 1) and not out.stderr, out.stderr[-2000:]
     code, report, seconds, peak = measured(script)
@@ -117,8 +119,10 @@ def test_a_line_of_megabytes_is_read_within_a_second(tmp_path, line):
 
 
 def test_blank_comment_and_heredoc_megabytes_are_read_within_a_second(tmp_path):
-    for name, text in (("comments", "#\n" * (2 ** 21 - 16)), ("heredoc", "cat <<EOF\n" + "a\n" * (2 ** 21 - 16) + "EOF\n"),
-                       ("directives", "#SBATCH --comment=x\n" * 200_000), ("stray", "true\n" + "#SBATCH -N 1\n" * 300_000)):
+    for name, text in (("comments", "#\n" * (2 ** 21 - 16)),
+                       ("heredoc", "cat <<EOF\n" + "a\n" * (2 ** 21 - 16) + "EOF\n"),
+                       ("directives", "#SBATCH --comment=x\n" * 200_000),
+                       ("stray", "true\n" + "#SBATCH -N 1\n" * 300_000)):
         script = tmp_path / f"{name}.slurm"
         script.write_text("#!/bin/bash\n" + text + "srun python t.py\n")
         code, report, seconds, peak = measured(script)
@@ -196,7 +200,7 @@ def hostile_scripts(draw) -> str:
 def test_any_hostile_script_is_a_report_within_a_second(tmp_path, text):
     """Generated hostile scripts: a report (findings, never a traceback), in bounded CPU time and memory each."""
     script = tmp_path / "hostile.slurm"
-    script.write_bytes(text.encode()[:ct.MAX_SCRIPT_BYTES])
+    script.write_bytes(text.encode()[:kit.jobscript.MAX_SCRIPT_BYTES])
     code, report, seconds, peak = measured(script)
     assert code in (0, 1) and isinstance(report["findings"], list)
     assert seconds < SECONDS and peak < MIB, (seconds, peak, text[:200])
@@ -309,7 +313,7 @@ SLURM_TASK = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "
 def test_check_args_refuses_what_the_trainer_refuses(capsys, variable, value, says):
     """--check-args and the trainer read these with idr_torch's rules (one owner): one line, exit 1."""
     for layout in ("replica", "stage"):
-        assert ct.check_args_main(layout, [], {**SLURM_TASK, variable: value}) == 1
+        assert kit.trainer_checks.check_args_main(layout, [], {**SLURM_TASK, variable: value}) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
     with pytest.raises(idr_torch.LaunchError, match=re.escape(says)):

@@ -20,6 +20,9 @@ from launch import ROOT, bench, clean_env, mounted_tmpfs
 from local_slurm import free_port
 
 import bench_ddp_transformer as b
+import kit.train.checkpoint
+import kit.train.errors
+import kit.train.setup
 
 SMALL = ["--synthetic", "300", "--nlayers", "2", "--batch-size", "32"]
 
@@ -52,7 +55,7 @@ def one_error(result: subprocess.CompletedProcess) -> str:
 # ---- a kill at each step of a save: the next reader finds a whole pair, old or new -----------------------------------
 def small_cfg():
     cfg = b.parse_args(["--nlayers", "2"])
-    b.resolve(cfg, False)
+    kit.train.setup.resolve(cfg, False)
     return cfg
 
 
@@ -60,17 +63,19 @@ def pair(version: int) -> tuple[dict, dict]:
     """A model file's state and its companion, both marked with `version` (the companion as save_progress
     writes it: optimizer, RNG states, layout)."""
     model = {"w": torch.full((256, 1024), float(version)), "b": torch.arange(8.0) + version}
-    resume = {"format": b.RESUME_FORMAT, "optimizer": {"state": {0: {"step": torch.tensor(float(version))}},
+    resume = {"format": kit.train.checkpoint.RESUME_FORMAT,
+              "optimizer": {"state": {0: {"step": torch.tensor(float(version))}},
                                                        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999),
                                                                          "params": [0]}]},
-              "epoch": version, "batch_in_epoch": 0, "step": 10 * version, "layout": b.layout_of(small_cfg(), 2),
-              "engine": "fairscale", "rng": b.rng_states(1), "args": {"lr": 1e-3}}
+              "epoch": version, "batch_in_epoch": 0, "step": 10 * version, "layout": kit.train.checkpoint.layout_of(small_cfg(), 2),
+              "engine": "fairscale", "rng": kit.train.checkpoint.rng_states(1), "args": {"lr": 1e-3}}
     return model, resume
 
 
 def read_pair(path: Path) -> int:
     """What a resuming run reads: the model file and the companion that goes with it; their versions agree."""
-    model, state = b.read_model(str(path)), b.read_resume(str(path), small_cfg(), 2)
+    model, state = kit.train.checkpoint.read_model(str(path)), kit.train.checkpoint.read_resume(str(path),
+                                                                                                small_cfg(), 2)
     assert state is not None and model["w"][0, 0].item() == state["epoch"], (model["w"][0, 0], state["epoch"])
     return state["epoch"]
 
@@ -115,7 +120,7 @@ def save_killed_at(path: Path, kill_at: int) -> tuple[list[str], int]:
                 real_replace(src, dst)
 
             torch.save, os.fsync, os.replace = save, fsync, replace
-            b.save_checkpoint(str(path), model, resume)
+            kit.train.checkpoint.save_checkpoint(str(path), model, resume)
         finally:
             os._exit(0)
     os.close(write_end)
@@ -135,7 +140,7 @@ def test_kill_at_each_step_of_the_save_leaves_a_whole_pair(tmp_path):
     def fresh() -> None:  # the first pair, alone in the folder
         for p in tmp_path.iterdir():
             p.unlink()
-        b.save_checkpoint(str(path), *pair(1))
+        kit.train.checkpoint.save_checkpoint(str(path), *pair(1))
 
     fresh()
     events, status = save_killed_at(path, -1)
@@ -147,7 +152,7 @@ def test_kill_at_each_step_of_the_save_leaves_a_whole_pair(tmp_path):
         reached, status = save_killed_at(path, kill_at)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and reached[-1] == name, reached
         seen.append((name, read_pair(path)))
-        b.save_checkpoint(str(path), *pair(3))  # the next save settles what the killed one left
+        kit.train.checkpoint.save_checkpoint(str(path), *pair(3))  # the next save settles what the killed one left
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.resume.pt"], (name, kill_at)
         assert read_pair(path) == 3
     # the old pair until the model file's rename (the commit), the new one from then on
@@ -157,14 +162,15 @@ def test_kill_at_each_step_of_the_save_leaves_a_whole_pair(tmp_path):
 
 def test_the_next_save_removes_only_its_own_leftovers(tmp_path):
     path = tmp_path / "ckpt.pt"
-    b.save_checkpoint(str(path), *pair(1))
+    kit.train.checkpoint.save_checkpoint(str(path), *pair(1))
     stale = [tmp_path / ".ckpt.pt.0badc0de.tmp", tmp_path / ".ckpt.pt.resume.pt.12345678.tmp"]
     others = [tmp_path / ".ckpt.pt.old.12345678.tmp", tmp_path / ".other.pt.0badc0de.tmp", tmp_path / "notes.txt"]
     for p in stale + others:
         p.write_bytes(b"x")
-    torch.save({"format": b.RESUME_FORMAT, "model_sha256": "0" * 64}, b.staged_file(path))  # a save killed early
-    b.save_checkpoint(str(path), *pair(2))
-    assert not any(p.exists() for p in stale) and not b.staged_file(path).exists()
+    torch.save({"format": kit.train.checkpoint.RESUME_FORMAT, "model_sha256": "0" * 64},
+               kit.train.checkpoint.staged_file(path))  # a save killed early
+    kit.train.checkpoint.save_checkpoint(str(path), *pair(2))
+    assert not any(p.exists() for p in stale) and not kit.train.checkpoint.staged_file(path).exists()
     assert all(p.exists() for p in others)
     assert read_pair(path) == 2
 
@@ -188,7 +194,7 @@ def test_full_disk_keeps_the_previous_pair(tmp_path, fails_at):
         [r] = bench([*args, "--epochs", "2", "--save", str(ckpt)])
         assert r.returncode == 1, r.stderr[-3000:]
         errors = [line for line in r.stderr.splitlines() if "error:" in line]
-        written = ckpt if fails_at == "model file" else b.resume_file(ckpt)
+        written = ckpt if fails_at == "model file" else kit.train.checkpoint.resume_file(ckpt)
         failure = f"epoch 2, step 18: No space left on device ({written})"
         assert len(errors) == 2 and (f"checkpoint not saved (epoch 2, step 18): No space left on device ({written})"
                                      in errors[0]), errors
@@ -200,14 +206,14 @@ def test_full_disk_keeps_the_previous_pair(tmp_path, fails_at):
         assert r.stdout.count("checkpoint saved:") == 1 and "Traceback" not in r.stderr
         assert sorted(p.name for p in disk.iterdir()) == ["ckpt.pt", "ckpt.pt.resume.pt"]
         cfg = b.parse_args(SMALL)
-        b.resolve(cfg, False)
-        state = b.read_resume(str(ckpt), cfg, 2)
+        kit.train.setup.resolve(cfg, False)
+        state = kit.train.checkpoint.read_resume(str(ckpt), cfg, 2)
         assert (state["epoch"], state["step"]) == (1, 9)
         # what the last line says to do: free space (here: a bigger disk), run again with --resume
         subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
         [again] = bench([*args, "--epochs", "2", "--save", str(ckpt), "--resume"])
         assert again.returncode == 0 and f"loaded {ckpt}: epoch 1, step 9" in again.stdout, again.stderr[-2000:]
-        assert (b.read_resume(str(ckpt), cfg, 2)["epoch"], "error:" in again.stderr) == (2, False)
+        assert (kit.train.checkpoint.read_resume(str(ckpt), cfg, 2)["epoch"], "error:" in again.stderr) == (2, False)
 
 
 # ---- a job stopped by SIGTERM, then SIGKILL 0.3 s later (a grace period shorter than the save) -----------------------
@@ -235,8 +241,8 @@ def test_sigterm_then_sigkill_during_a_save_then_resume(tmp_path):
         if p.poll() is None:
             p.kill()
     cfg = b.parse_args(args)
-    b.resolve(cfg, False)
-    state = b.read_resume(str(ckpt), cfg, 2)  # whole: the digest of the model file matches
+    kit.train.setup.resolve(cfg, False)
+    state = kit.train.checkpoint.read_resume(str(ckpt), cfg, 2)  # whole: the digest of the model file matches
     assert state is not None and state["epoch"] >= 1, log.read_text()[-2000:]
     [r] = bench(args[:-4] + ["--epochs", "2", "--resume", "--log-every", "30"], timeout=240)
     assert r.returncode == 0 and f"loaded {ckpt}: epoch" in r.stdout, r.stderr[-3000:]
@@ -265,21 +271,21 @@ def test_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(tmp_path):
     finally:
         first.kill()
         first.wait()
-    assert b.lock_file(ckpt).exists()  # a killed holder cannot remove it, but the kernel released its lock
+    assert kit.train.checkpoint.lock_file(ckpt).exists()  # a killed holder cannot remove it, but the kernel released its lock
     [third] = bench([*args, "--epochs", "1"])
     assert third.returncode == 0, third.stderr[-2000:]
-    assert not b.lock_file(ckpt).exists()  # removed at a clean exit
+    assert not kit.train.checkpoint.lock_file(ckpt).exists()  # removed at a clean exit
 
 
 def test_lock_holder_details_and_release(tmp_path):
     ckpt = tmp_path / "x.pt"
-    lock = b.SaveLock.take(str(ckpt))  # (reading the file here would release it: POSIX locks are per process)
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import bench_ddp_transformer as b; "
-            f"b.SaveLock.take({str(ckpt)!r})")
+    lock = kit.train.checkpoint.SaveLock.take(str(ckpt))  # (reading the file here would release it: POSIX locks are per process)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import kit.train.checkpoint; "
+            f"kit.train.checkpoint.SaveLock.take({str(ckpt)!r})")
     r = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert "is being written by another run" in r.stderr and f"PID {os.getpid()}" in r.stderr, r.stderr
     lock.release()
-    assert not b.lock_file(ckpt).exists()
+    assert not kit.train.checkpoint.lock_file(ckpt).exists()
     r = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
@@ -312,8 +318,8 @@ CASES = ["save is a folder", "save is /dev/null", "save is a fifo", "companion i
 def test_output_paths_are_checked(tmp_path, case):
     args, needle = outputs(tmp_path)[case]
     cfg = b.parse_args(args)
-    with pytest.raises(b.RunError, match=re.escape(needle)):
-        b.check_outputs(cfg)
+    with pytest.raises(kit.train.errors.RunError, match=re.escape(needle)):
+        kit.train.checkpoint.check_outputs(cfg)
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
@@ -337,7 +343,7 @@ def test_checkpoints_get_the_users_umask(tmp_path, umask):
                         "--cache-dir", str(tmp_path), "--save", str(ckpt)], env=clean_env(), capture_output=True,
                        text=True, timeout=240, preexec_fn=lambda: os.umask(umask))
     assert r.returncode == 0, r.stderr[-2000:]
-    for f in (ckpt, b.resume_file(ckpt), *tmp_path.glob("synthetic-*.pt")):
+    for f in (ckpt, kit.train.checkpoint.resume_file(ckpt), *tmp_path.glob("synthetic-*.pt")):
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, (f, oct(f.stat().st_mode))
 
 
@@ -367,16 +373,16 @@ def test_a_poisoned_file_never_runs(tmp_path, one_epoch, poisoned):
         [r] = bench([*common, "--load", str(ckpt)])
         assert "could run code when loaded: refused" in one_error(r)
     elif poisoned == "companion":
-        state = torch.load(b.resume_file(ckpt), weights_only=True)
-        torch.save({**state, "evil": Payload(marker)}, b.resume_file(ckpt))
+        state = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=True)
+        torch.save({**state, "evil": Payload(marker)}, kit.train.checkpoint.resume_file(ckpt))
         [r] = bench([*common, "--load", str(ckpt)])
         line = one_error(r)
         assert "ckpt.pt.resume.pt is unreadable" in line and "could run code" in line, line
     elif poisoned == "staged companion":  # what a save killed after its commit leaves, read by the next save
-        state = torch.load(b.resume_file(ckpt), weights_only=True)
-        torch.save({**state, "evil": Payload(marker)}, b.staged_file(ckpt))
+        state = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=True)
+        torch.save({**state, "evil": Payload(marker)}, kit.train.checkpoint.staged_file(ckpt))
         [r] = bench([*common, "--epochs", "2", "--save", str(ckpt), "--resume"])
-        assert r.returncode == 0 and not b.staged_file(ckpt).exists(), r.stderr[-2000:]
+        assert r.returncode == 0 and not kit.train.checkpoint.staged_file(ckpt).exists(), r.stderr[-2000:]
     else:
         [cache] = tmp_path.glob("synthetic-*.pt")
         torch.save({**torch.load(cache), "evil": Payload(marker)}, cache)
@@ -386,7 +392,7 @@ def test_a_poisoned_file_never_runs(tmp_path, one_epoch, poisoned):
     time.sleep(0.2)
     assert not marker.exists(), "the payload ran"
     if poisoned in ("model file", "companion"):  # and the payload is real: an unsafe load of the file runs it
-        torch.load(ckpt if poisoned == "model file" else b.resume_file(ckpt), weights_only=False)
+        torch.load(ckpt if poisoned == "model file" else kit.train.checkpoint.resume_file(ckpt), weights_only=False)
         assert marker.exists()
 
 
@@ -401,7 +407,7 @@ def test_resume_reads_the_companion_weights_only(tmp_path, precision):
               str(tmp_path), "--save", str(ckpt), "--precision", precision]
     first = bench([*common, "--epochs", "1"])[0]
     assert first.returncode == 0, first.stderr[-2000:]
-    state = torch.load(b.resume_file(ckpt), weights_only=True)
+    state = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=True)
     assert ("grad_scaler" in state["optimizer"]) == (precision == "fp16")
     assert isinstance(state["rng"][0]["python"], tuple)  # random.setstate wants the tuple back
     [r] = bench([*common, "--epochs", "2", "--resume"])

@@ -23,7 +23,11 @@ from test_faults_checkpoint import SMALL, copy_of, one_epoch, one_error, small_d
 from test_train import write_imdb
 
 import bench_ddp_transformer as b
-import check_topology as ct
+import kit.train.checkpoint
+import kit.train.data
+import kit.train.errors
+import kit.train.records
+import kit.arguments
 
 TRAINER = str(ROOT / "bench_ddp_transformer.py")
 HOST = socket.gethostname()
@@ -65,8 +69,8 @@ def test_a_lock_file_that_cannot_be_written_is_one_line_and_removed(tmp_path):
     needs no block) but its holder's line cannot be written. One line, and no lock file left behind."""
     with small_disk(tmp_path / "disk", 4096) as disk:
         fill(disk)
-        with pytest.raises(b.RunError) as err:
-            b.SaveLock.take(str(disk / "ckpt.pt"))
+        with pytest.raises(kit.train.errors.RunError) as err:
+            kit.train.checkpoint.SaveLock.take(str(disk / "ckpt.pt"))
         assert str(err.value) == (f"--save {disk / 'ckpt.pt'}: cannot write its lock file {disk / 'ckpt.pt.lock'} (No "
                                   "space left on device); the disk or the quota is full: free space there, or choose "
                                   "another --save")
@@ -78,22 +82,27 @@ def test_a_lock_file_that_is_a_link_is_not_followed(tmp_path):
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
     (tmp_path / "ckpt.pt.lock").symlink_to(victim)
-    with pytest.raises(b.RunError, match=r"cannot open its lock file .*ckpt.pt.lock \(a symbolic link: remove it\)"):
-        b.SaveLock.take(str(tmp_path / "ckpt.pt"))
+    with pytest.raises(kit.train.errors.RunError,
+                       match=r"cannot open its lock file .*ckpt.pt.lock \(a symbolic link: remove it\)"):
+        kit.train.checkpoint.SaveLock.take(str(tmp_path / "ckpt.pt"))
     assert victim.read_text() == "keep me"
 
 
 FAILING_STARTUP = """
 import os, sys; sys.path.insert(0, {root!r})
 import bench_ddp_transformer as b
-real = b.data_source
+import kit.train.checkpoint
+import kit.train.data
+import kit.train.errors
+import kit.train.records
+real = kit.train.data.data_source
 def data_source(cfg):  # before the tasks meet: an error that is not one of the kit's
     if os.environ["SLURM_PROCID"] == {rank!r}:
         raise OSError(5, "Input/output error", "/gpfs/lost")
     return real(cfg)
-b.data_source = data_source
+b.data_source = data_source  # where run() looks it up
 sys.argv = ["bench_ddp_transformer.py"] + {args!r}
-b.cli(b.main, "bench_ddp_transformer")
+kit.train.errors.cli(b.main, "bench_ddp_transformer")
 """
 
 
@@ -133,7 +142,7 @@ def test_save_and_resume_through_a_symbolic_link(tmp_path):
     assert again.returncode == 0 and f"loaded {real}: epoch 1, step 9" in again.stdout, again.stdout + again.stderr
     assert "weights only" not in again.stdout and "epoch   2 |" in again.stdout and "epoch   1 |" not in again.stdout
     assert link.is_symlink() and os.readlink(link) == str(real)
-    state = torch.load(b.resume_file(real), weights_only=True)
+    state = torch.load(kit.train.checkpoint.resume_file(real), weights_only=True)
     assert (state["epoch"], state["step"]) == (2, 18) and state["optimizer"]["state"]
 
 
@@ -161,9 +170,9 @@ def test_a_run_through_a_link_locks_out_a_run_naming_its_target(tmp_path):
 # ---- settings given again on --resume: applied and said, or refused in one line ------------------------------------
 def test_every_argument_has_a_resume_rule():
     """A new argument must be decided: applied on resume, refused, part of the layout, the corpus, or no setting."""
-    assert {a.dest for a in ct.ARGS} <= set(b.RESUME_RULES), {a.dest for a in ct.ARGS} - set(b.RESUME_RULES)
-    assert set(b.RESUME_RULES.values()) <= {"layout", "applied", "refused", "corpus", "none"}
-    assert all(b.RESUME_RULES[a.dest] == "layout" for a in ct.ARGS if a.checkpoint)
+    assert {a.dest for a in kit.arguments.ARGS} <= set(kit.train.checkpoint.RESUME_RULES), {a.dest for a in kit.arguments.ARGS} - set(kit.train.checkpoint.RESUME_RULES)
+    assert set(kit.train.checkpoint.RESUME_RULES.values()) <= {"layout", "applied", "refused", "corpus", "none"}
+    assert all(kit.train.checkpoint.RESUME_RULES[a.dest] == "layout" for a in kit.arguments.ARGS if a.checkpoint)
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -192,7 +201,7 @@ def test_a_resume_applies_and_records_the_settings_it_can(tmp_path, one_epoch):
             "--chunks 4 (saved 2), --batch-size 16 (saved 32), --precision bf16 (saved fp32), --epochs 2 (saved 1)"
             in r.stdout), r.stdout
     assert "precision bf16" in r.stdout and "epoch   2 | steps    18 |" in r.stdout
-    saved = torch.load(b.resume_file(ckpt), weights_only=True)["args"]
+    saved = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=True)["args"]
     assert (saved["dropout"], saved["batch_size"], saved["chunks"], saved["precision"]) == (0.2, 16, 4, "bf16")
 
 
@@ -221,8 +230,8 @@ def test_a_record_cut_by_a_full_disk_is_taken_back(tmp_path, capsys):
         fill(disk)
         cfg = b.parse_args(["--json-out", str(out)])
         record = {"time": "2025-01-01T00:00:00", "pad": "x" * 20000}
-        with pytest.raises(b.RunError, match="the run finished, but its record could not be appended"):
-            b.write_record(cfg, record)
+        with pytest.raises(kit.train.errors.RunError, match="the run finished, but its record could not be appended"):
+            kit.train.records.write_record(cfg, record)
         assert out.read_text() == '{"earlier": 1}\n'
         assert json.loads(capsys.readouterr().out) == record
 
@@ -231,7 +240,8 @@ def test_a_record_cut_by_a_full_disk_is_taken_back(tmp_path, capsys):
 @pytest.mark.parametrize("option", ["--save", "--json-out", "--load", "--data-dir", "--cache-dir"])
 def test_an_empty_path_is_refused(option):
     """--save '' and --json-out '' turned saving off without a word; --data-dir '' fell back to synthetic data."""
-    with pytest.raises(ct.ArgumentError, match=f"{option} '' is an empty path; give a file or folder, or leave "
+    with pytest.raises(kit.arguments.ArgumentError,
+                       match=f"{option} '' is an empty path; give a file or folder, or leave "
                                                f"{option} out"):
         b.parse_args([option, ""])
 
@@ -255,12 +265,12 @@ def test_an_empty_save_is_one_line_from_the_trainer_and_the_checker():
     ("rng", ["not a state"], "rank 0: TypeError")])
 def test_a_damaged_companion_is_one_line(tmp_path, one_epoch, field, value, why):
     ckpt = copy_of(one_epoch, tmp_path)
-    state = torch.load(b.resume_file(ckpt), weights_only=True)
+    state = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=True)
     state[field] = value
-    torch.save(state, b.resume_file(ckpt))
+    torch.save(state, kit.train.checkpoint.resume_file(ckpt))
     [r] = bench([*SMALL, "--epochs", "2", "--cache-dir", str(tmp_path), "--load", str(ckpt)])
     line = one_error(r)
-    assert f"{b.resume_file(ckpt)} has a bad '{field}' field ({why}" in line and "delete it to load" in line, line
+    assert f"{kit.train.checkpoint.resume_file(ckpt)} has a bad '{field}' field ({why}" in line and "delete it to load" in line, line
 
 
 def test_an_epoch_covered_by_the_save_is_skipped_not_trained_empty(tmp_path, one_epoch):
@@ -292,10 +302,10 @@ def test_a_fifo_is_never_opened(tmp_path, one_epoch, where):
         needle = f"--load {fifo} is a pipe (FIFO), not a regular file"
     else:
         ckpt = copy_of(one_epoch, tmp_path)
-        b.resume_file(ckpt).unlink()
-        os.mkfifo(b.resume_file(ckpt))
+        kit.train.checkpoint.resume_file(ckpt).unlink()
+        os.mkfifo(kit.train.checkpoint.resume_file(ckpt))
         args = [*SMALL, "--load", str(ckpt)]
-        needle = f"{b.resume_file(ckpt)} is unreadable (it is a pipe (FIFO), not a regular file)"
+        needle = f"{kit.train.checkpoint.resume_file(ckpt)} is unreadable (it is a pipe (FIFO), not a regular file)"
     [r] = bench([*args, "--cache-dir", str(tmp_path / "cache")], timeout=120)  # the old code never ended
     assert needle in one_error(r)
 
@@ -317,13 +327,13 @@ def test_a_huge_review_is_refused_naming_it(tmp_path):
     bigger is refused in one line naming it."""
     tarball = review_tarball(tmp_path, 100 << 20)
     assert tarball.stat().st_size < 200_000
-    with pytest.raises(b.RunError) as err:
-        b.read_imdb(tarball)
+    with pytest.raises(kit.train.errors.RunError) as err:
+        kit.train.data.read_imdb(tarball)
     assert str(err.value).startswith(f"review aclImdb/train/pos/0_9.txt in {tarball} is 104857600 bytes, more than "
                                      "1 MiB: not an IMDB review")
-    code = (f"import resource, sys; sys.path.insert(0, {str(ROOT)!r}); import bench_ddp_transformer as b\n"
+    code = (f"import resource, sys; sys.path.insert(0, {str(ROOT)!r}); import pathlib, kit.train.data, kit.train.errors\n"
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            f"try:\n    b.read_imdb(b.Path({str(tarball)!r}))\nexcept b.RunError:\n    pass\n"
+            f"try:\n    kit.train.data.read_imdb(pathlib.Path({str(tarball)!r}))\nexcept kit.train.errors.RunError:\n    pass\n"
             "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)")
     grew = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert int(grew.stdout) < 50, grew.stdout + grew.stderr  # MiB: nothing of the review was read
@@ -331,10 +341,10 @@ def test_a_huge_review_is_refused_naming_it(tmp_path):
 
 def test_a_tarball_of_too_many_entries_or_too_much_text_is_refused(tmp_path, monkeypatch):
     tarball = review_tarball(tmp_path, 10)
-    monkeypatch.setattr(b, "TAR_ENTRIES", 5)
-    with pytest.raises(b.RunError, match="holds more than 5 entries: not the IMDB tarball"):
-        b.read_imdb(tarball)
-    monkeypatch.setattr(b, "TAR_ENTRIES", 1000)
-    monkeypatch.setattr(b, "CORPUS_BYTES", 100)
-    with pytest.raises(b.RunError, match=r"hold more than 0 MiB of text \(at aclImdb/"):
-        b.read_imdb(tarball)
+    monkeypatch.setattr(kit.train.data, "TAR_ENTRIES", 5)
+    with pytest.raises(kit.train.errors.RunError, match="holds more than 5 entries: not the IMDB tarball"):
+        kit.train.data.read_imdb(tarball)
+    monkeypatch.setattr(kit.train.data, "TAR_ENTRIES", 1000)
+    monkeypatch.setattr(kit.train.data, "CORPUS_BYTES", 100)
+    with pytest.raises(kit.train.errors.RunError, match=r"hold more than 0 MiB of text \(at aclImdb/"):
+        kit.train.data.read_imdb(tarball)

@@ -20,7 +20,11 @@ from launch import ROOT, bench, clean_env, run_tasks, srun_envs
 from test_faults_checkpoint import SMALL, copy_of, one_epoch, one_error  # noqa: F401 (a fixture)
 from test_train import write_imdb
 
-import bench_ddp_transformer as b
+import kit.train.checkpoint
+import kit.train.data
+import kit.train.errors
+import kit.train.launch
+import kit.train.options
 
 TRAINER = str(ROOT / "bench_ddp_transformer.py")
 
@@ -65,22 +69,28 @@ def test_master_port_held_by_another_program(tmp_path):
 def test_rank0_master_address_of_another_host(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: resolves, never this host's
     launch = type("L", (), {"master_addr": "192.0.2.1", "master_port": 12345, "rank": 0, "size": 2})()
-    with pytest.raises(b.TaskError, match=r"node 192.0.2.1 \(MASTER_ADDR\) is 192.0.2.1, not an address of this host"):
-        b.check_rendezvous(launch, 10)
+    with pytest.raises(kit.train.errors.TaskError,
+                       match=r"node 192.0.2.1 \(MASTER_ADDR\) is 192.0.2.1, not an address of this host"):
+        kit.train.launch.check_rendezvous(launch, 10)
 
 
 # ---- a setup error after the Pipe's worker threads started: every task exits, promptly ------------------------------
 FAILING_SETUP = """
 import os, sys, torch; sys.path.insert(0, {root!r})
 import bench_ddp_transformer as b
-real = b.make_optimizer
+import kit.train.checkpoint
+import kit.train.data
+import kit.train.errors
+import kit.train.launch
+import kit.train.options
+real = kit.train.options.make_optimizer
 def make_optimizer(params, lr, zero, group=None):  # called by Replica.__init__ right after the Pipe is built
     if os.environ["SLURM_PROCID"] in {ranks!r}:
         return torch.optim.AdamW(params, lr=-1.0)  # AdamW's own ValueError, as --lr -1 gave
     return real(params, lr, zero, group)
-b.make_optimizer = make_optimizer
+b.make_optimizer = make_optimizer  # where Replica looks it up
 sys.argv = ["bench_ddp_transformer.py"] + {args!r}
-b.cli(b.main, "bench_ddp_transformer")
+kit.train.errors.cli(b.main, "bench_ddp_transformer")
 """
 
 
@@ -174,7 +184,7 @@ def test_sigusr1_during_startup_is_not_fatal(tmp_path):
     out = r.stdout
     assert r.returncode == 75, (r.returncode, r.stderr[-2000:])
     assert "stopping on SIGUSR1 at epoch 1, batch 1/" in out and "checkpoint saved to" in out, out
-    state = torch.load(b.resume_file(ckpt), weights_only=True)
+    state = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=True)
     assert (state["epoch"], state["batch_in_epoch"], state["step"]) == (0, 1, 1)
 
 
@@ -194,12 +204,12 @@ def test_resume_without_save_is_refused(tmp_path):
 def test_companion_without_layout_is_one_line(tmp_path, one_epoch):
     ckpt = copy_of(one_epoch, tmp_path)
     common = [*SMALL, "--cache-dir", str(tmp_path)]
-    state = torch.load(b.resume_file(ckpt), weights_only=True)
+    state = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=True)
     del state["layout"]
-    torch.save(state, b.resume_file(ckpt))
+    torch.save(state, kit.train.checkpoint.resume_file(ckpt))
     [r] = bench([*common, "--epochs", "2", "--load", str(ckpt)])
     line = one_error(r)
-    assert f"{b.resume_file(ckpt)} has no 'layout' field" in line and "delete it to load" in line, line
+    assert f"{kit.train.checkpoint.resume_file(ckpt)} has no 'layout' field" in line and "delete it to load" in line, line
 
 
 def imdb_tarball(folder: Path) -> bytes:
@@ -245,8 +255,8 @@ def test_damage_anywhere_in_the_gzip_is_caught(tmp_path):
         tarball = tmp_path / f"{off}" / "aclImdb_v1.tar.gz"
         tarball.parent.mkdir()
         tarball.write_bytes(bytes(damaged))
-        with pytest.raises(b.RunError, match="download aclImdb_v1.tar.gz again") as err:
-            b.read_imdb(tarball)
+        with pytest.raises(kit.train.errors.RunError, match="download aclImdb_v1.tar.gz again") as err:
+            kit.train.data.read_imdb(tarball)
         assert f"cannot read {tarball}: " in str(err.value), (off, str(err.value))
 
 

@@ -4,30 +4,25 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch import ROOT, clean_env
+from launch import ROOT, clean_env, copy_kit
 
 sys.path.insert(0, str(ROOT / "slurm"))
 import first_run_report  # noqa: E402
 
-KIT = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py", "site_slurm.py",
-       "benchmarks", "slurm/first_run.slurm", "slurm/first_run_report.py", "slurm/report.py")
+EXTRA = ("benchmarks", "slurm/first_run.slurm", "slurm/first_run_report.py", "slurm/report.py")
 
 
 @pytest.mark.slurm
 def test_first_run_on_one_node(slurm_cluster, tmp_path):
     """Every count of tasks a 4-GPU node allows, the stage layout, the GPU benchmarks (not run: no GPU here), one
     report, exit 0."""
-    for name in KIT:
-        target = tmp_path / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, target)
+    copy_kit(tmp_path, EXTRA)
     # the CPU defaults, given: the pre-flight check would judge the GPU defaults, which the CPU fallback does not run
     env = clean_env(**slurm_cluster.env, STEPS="4", MODEL="--nlayers 4 --d-model 64 --n-head 4 --d-hid 128 "
                     "--seq-len 64 --vocab-size 2000 --chunks 2 --batch-size 32",

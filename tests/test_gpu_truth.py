@@ -17,7 +17,10 @@ from launch import ROOT, bench, clean_env
 
 sys.path.insert(0, str(ROOT))
 import bench_ddp_transformer as trainer  # noqa: E402
-import check_topology as ct  # noqa: E402
+import kit.train.checkpoint  # noqa: E402
+import kit.train.loop  # noqa: E402
+import kit.arguments  # noqa: E402
+import kit.speed  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -41,20 +44,21 @@ WIDE = ["--d-model", "1024", "--n-head", "16", "--d-hid", "4096", "--dropout", "
 
 
 def test_the_gpu_width_at_its_default_lr_stays_stable(tmp_path):
-    [r] = bench([*WIDE, "--epochs", "1", "--max-steps", "8", "--log-every", "0", "--json-out", str(tmp_path / "r.jsonl")],
+    [r] = bench([*WIDE, "--epochs", "1", "--max-steps", "8", "--log-every", "0", "--json-out",
+                 str(tmp_path / "r.jsonl")],
                 timeout=400)
     assert r.returncode == 0, r.stderr[-2000:]
     losses = running_losses(r.stdout)
     assert len(losses) >= 6, r.stdout[-2000:]
     assert max(losses) < 0.69 + 0.15, f"the running loss left chance's 0.69 for {max(losses):.2f}: {losses}"
     rec = record(tmp_path / "r.jsonl")
-    assert rec["lr"] == pytest.approx(ct.default_lr(1024)) and rec["architecture"] == trainer.ARCHITECTURE
+    assert rec["lr"] == pytest.approx(kit.arguments.default_lr(1024)) and rec["architecture"] == kit.train.checkpoint.ARCHITECTURE
 
 
 def test_a_narrow_model_at_the_gpu_defaults_lr_times_width_learns(tmp_path):
     """lr x d_model is what collapsed the GPU model: the CPU's narrow model at the GPU default's product must learn."""
-    gpu_lr = ct.ARG["lr"].gpu or ct.default_lr(ct.GPU_DEFAULTS["d_model"])
-    lr = gpu_lr * ct.GPU_DEFAULTS["d_model"] / ct.CPU_DEFAULTS["d_model"]
+    gpu_lr = kit.arguments.ARG["lr"].gpu or kit.arguments.default_lr(kit.arguments.GPU_DEFAULTS["d_model"])
+    lr = gpu_lr * kit.arguments.GPU_DEFAULTS["d_model"] / kit.arguments.CPU_DEFAULTS["d_model"]
     [r] = bench(["--synthetic", "2000", "--epochs", "2", "--lr", f"{lr:g}", "--json-out", str(tmp_path / "r.jsonl")],
                 timeout=400)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -63,7 +67,7 @@ def test_a_narrow_model_at_the_gpu_defaults_lr_times_width_learns(tmp_path):
     assert rec["chance_acc"] == pytest.approx(0.5, abs=0.1)
     # the distance to the physical limit: the model's FLOPs from its shapes, the TFLOP/s reached (no peak on a CPU)
     model = {k: rec[k] for k in ("d_model", "d_hid", "seq_len", "nlayers")}
-    assert rec["flops_per_sample"] == ct.flops_per_sample(model)
+    assert rec["flops_per_sample"] == kit.speed.flops_per_sample(model)
     assert rec["tflops"] == pytest.approx(rec["flops_per_sample"] * rec["samples_per_s"] / 1e12)
     assert rec["peak_share"] is None and rec["tflops_per_gpu"] is None
     assert re.search(r"samples/s \(best epoch\), [0-9.e-]+ TFLOP/s, final test acc", r.stdout), r.stdout[-800:]
@@ -88,19 +92,19 @@ def schedule(**kw) -> argparse.Namespace:
 @pytest.mark.parametrize("decay", ["linear", "cosine"])
 def test_the_lr_warms_up_then_decays_to_a_tenth(decay):
     cfg, total = schedule(lr_decay=decay), 100
-    lrs = [trainer.lr_at(cfg, s, total) for s in range(total)]
+    lrs = [kit.train.loop.lr_at(cfg, s, total) for s in range(total)]
     assert all(0 < a < b for a, b in zip(lrs[:10], lrs[1:11])), lrs[:12]  # rises over the first 10 % of the steps
     assert lrs[10] == pytest.approx(1e-3) and max(lrs) == pytest.approx(1e-3)
-    assert all(a > b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(trainer.LR_FLOOR * 1e-3)
-    assert trainer.lr_at(schedule(lr_decay="none", lr_warmup=0.0), 57, total) == 1e-3
+    assert all(a > b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(kit.train.loop.LR_FLOOR * 1e-3)
+    assert kit.train.loop.lr_at(schedule(lr_decay="none", lr_warmup=0.0), 57, total) == 1e-3
 
 
 def test_the_default_lr_falls_with_the_width():
-    assert ct.default_lr(64) == 0.1 / 64 and ct.default_lr(1024) == pytest.approx(1e-4 * 0.9765625)
-    assert ct.default_lr(8) == ct.MAX_DEFAULT_LR
+    assert kit.arguments.default_lr(64) == 0.1 / 64 and kit.arguments.default_lr(1024) == pytest.approx(1e-4 * 0.9765625)
+    assert kit.arguments.default_lr(8) == kit.arguments.MAX_DEFAULT_LR
     ns = argparse.Namespace(d_model=1024, lr=None)
-    assert ct.resolve_defaults(ns, cuda=True).lr == ct.default_lr(1024)
-    assert ct.resolve_defaults(argparse.Namespace(d_model=1024, lr=3e-5), cuda=True).lr == 3e-5
+    assert kit.arguments.resolve_defaults(ns, cuda=True).lr == kit.arguments.default_lr(1024)
+    assert kit.arguments.resolve_defaults(argparse.Namespace(d_model=1024, lr=3e-5), cuda=True).lr == 3e-5
 
 
 def test_the_renamed_timing_option_is_refused_with_its_new_name(tmp_path):
@@ -132,7 +136,7 @@ def test_flops_per_sample_is_what_torch_counts():
     x = torch.randint(0, 100, (5, 24))
     with FlopCounterMode(display=False) as counter:
         net(x).float().sum().backward()
-    assert counter.get_total_flops() / 5 == pytest.approx(ct.flops_per_sample(model), rel=1e-6)
+    assert counter.get_total_flops() / 5 == pytest.approx(kit.speed.flops_per_sample(model), rel=1e-6)
 
 
 @pytest.mark.parametrize("name,precision,tf32,peak", [
@@ -141,7 +145,7 @@ def test_flops_per_sample_is_what_torch_counts():
     ("Tesla V100-SXM2-32GB", "fp16", False, 125.0), ("Tesla V100-SXM2-32GB", "bf16", False, None),
     ("Tesla V100-SXM2-32GB", "fp32", True, 15.7), ("NVIDIA GeForce RTX 3090", "fp32", False, None)])
 def test_the_peak_of_each_gpu_for_its_precision(name, precision, tf32, peak):
-    assert ct.peak_tflops(name, precision, tf32) == peak
+    assert kit.speed.peak_tflops(name, precision, tf32) == peak
 
 
 def test_tf32_is_an_option_the_checker_knows(tmp_path):
@@ -163,8 +167,8 @@ def test_a_new_lr_on_resume_is_applied_and_recorded(tmp_path):
     [again] = bench([*args, "--epochs", "2", "--lr", "5e-4", "--resume", "--json-out", str(tmp_path / "r.jsonl")])
     assert again.returncode == 0, again.stderr[-2000:]
     rec = record(tmp_path / "r.jsonl")
-    cfg = schedule(lr=5e-4, lr_warmup=ct.ARG["lr_warmup"].gpu, lr_decay=ct.ARG["lr_decay"].gpu)
-    expected = trainer.lr_at(cfg, 2 * per_epoch - 1, 2 * per_epoch)
+    cfg = schedule(lr=5e-4, lr_warmup=kit.arguments.ARG["lr_warmup"].gpu, lr_decay=kit.arguments.ARG["lr_decay"].gpu)
+    expected = kit.train.loop.lr_at(cfg, 2 * per_epoch - 1, 2 * per_epoch)
     assert rec["lr"] == 5e-4 and rec["epochs"][-1]["lr"] == pytest.approx(expected)
     companion = torch.load(tmp_path / "ck.pt.resume.pt", weights_only=True)
     assert [g["lr"] for g in companion["optimizer"]["param_groups"]] == [pytest.approx(expected)]
@@ -184,4 +188,4 @@ def test_a_checkpoint_of_the_older_architecture_is_refused_in_one_line(tmp_path)
     [again] = bench([*args, "--epochs", "2", "--resume"])
     lines = [line for line in again.stderr.splitlines() if line.startswith("bench_ddp_transformer:")]
     assert again.returncode != 0 and len(lines) == 1 and "Traceback" not in again.stderr, again.stderr[-2000:]
-    assert "architecture post-ln/1" in lines[0] and trainer.ARCHITECTURE in lines[0] and "start afresh" in lines[0]
+    assert "architecture post-ln/1" in lines[0] and kit.train.checkpoint.ARCHITECTURE in lines[0] and "start afresh" in lines[0]

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import check_topology as ct
-from launch import ROOT, clean_env
+import kit.jobscript
+import kit.plan
+import kit.shell
+from launch import ROOT, clean_env, copy_kit
 from local_slurm import free_port
 from test_placement_slurm import checker_json, submit
 from test_scripts import SCRIPTS, header
@@ -61,8 +63,8 @@ def test_batch_variables_are_the_batch_steps(slurm_cluster, tmp_path, request_):
     seen = dict(line[2:].split("=", 1) for line in output.splitlines() if line.startswith("E "))
     script = tmp_path / "job.slurm"
     script.write_text(head + "srun python train.py\n")
-    job, _, _ = ct.read_sbatch(script)
-    known = {k: ct.ShellRun({}, None).text_of(v) for k, v in ct.batch_variables(job).items()}
+    job, _, _ = kit.jobscript.read_sbatch(script)
+    known = {k: kit.shell.ShellRun({}, None).text_of(v) for k, v in kit.jobscript.batch_variables(job).items()}
     assert {k: v for k, v in known.items() if v is not None} == {k: seen.get(k) for k, v in known.items()
                                                                   if v is not None}
     present_unknown = [k for k, v in known.items() if v is None and k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST")]
@@ -71,9 +73,9 @@ def test_batch_variables_are_the_batch_steps(slurm_cluster, tmp_path, request_):
 
 PROBE = '''import json, os, sys
 sys.path.insert(0, os.environ["KIT"])
-import idr_torch, check_topology as ct
+import idr_torch, kit.plan
 launch = idr_torch.Launch()
-plan = ct.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, launch.visible_gpus,
+plan = kit.plan.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size, launch.visible_gpus,
                     launch.gpus_on_node, 8)
 print("P " + json.dumps({"rank": launch.rank, "node": int(os.environ["SLURM_NODEID"]), "local": launch.local_rank,
                          "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "launcher": launch.launcher,
@@ -142,13 +144,12 @@ def test_the_step_check_is_the_file_check(slurm_cluster, tmp_path):
     """`srun python check_topology.py` inside the allocation finds what the file check finds for the same request
     and trainer arguments (less what only one of them can see: a task's CPU affinity, the file's time and srun
     lines)."""
-    for name in ("check_topology.py", "idr_torch.py"):
-        (tmp_path / name).write_text((ROOT / name).read_text())
+    copy_kit(tmp_path)
     request = "-N 2 --ntasks-per-node=2 --gres=gpu:4 -c 10 --hint=nomultithread -p gpu_p13 -t 5"
     trainer = "--nlayers 8 --chunks 2 --batch-size 64"
-    step = subprocess.run(["salloc", *request.split(), "srun", "-c", "10", "python", "check_topology.py", *trainer.split(),
-                           "--json"], cwd=tmp_path, env=slurm_env(slurm_cluster), capture_output=True, text=True,
-                          timeout=180)
+    step = subprocess.run(["salloc", *request.split(), "srun", "-c", "10", "python", "check_topology.py",
+                           *trainer.split(), "--json"],
+                          cwd=tmp_path, env=slurm_env(slurm_cluster), capture_output=True, text=True, timeout=180)
     report = json.loads(step.stdout[step.stdout.index("{"):])
     file_check = checker_json(f"#!/bin/bash\n#SBATCH {request}\nsrun -c 10 python bench_ddp_transformer.py "
                               f"{trainer}\n", tmp_path)

@@ -45,23 +45,23 @@ CORPUS = [
 
 def test_builtin_tokenizer_agrees_with_torchtext():
     from torchtext.data.utils import get_tokenizer
-    import bench_ddp_transformer as b
+    import kit.train.data
     torchtext_tok = get_tokenizer("basic_english")
     for text in CORPUS:
-        assert b.basic_english(text) == torchtext_tok(text), text
+        assert kit.train.data.basic_english(text) == torchtext_tok(text), text
 
 
 @pytest.mark.parametrize("max_tokens", [6, 25, 10_000])
 def test_builtin_vocab_and_ids_agree_with_torchtext(max_tokens):
     from torchtext.data.utils import get_tokenizer
     from torchtext.vocab import build_vocab_from_iterator
-    import bench_ddp_transformer as b
-    tokens = [b.basic_english(t) for t in CORPUS]
-    theirs = build_vocab_from_iterator(tokens, specials=b.SPECIALS, max_tokens=max_tokens)
+    import kit.train.data
+    tokens = [kit.train.data.basic_english(t) for t in CORPUS]
+    theirs = build_vocab_from_iterator(tokens, specials=kit.train.data.SPECIALS, max_tokens=max_tokens)
     theirs.set_default_index(theirs["<unk>"])
-    mine = b.build_vocab(tokens, max_tokens)
+    mine = kit.train.data.build_vocab(tokens, max_tokens)
     assert mine == theirs.get_itos()  # same words in the same order: frequency, then A-Z on ties
-    ids_mine = b.encode(tokens, mine, 48)
+    ids_mine = kit.train.data.encode(tokens, mine, 48)
     tok = get_tokenizer("basic_english")
     for row, text in enumerate(CORPUS):
         ids = theirs(tok(text))[:48]

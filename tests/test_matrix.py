@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-import check_topology as ct
+import kit.arguments
+import kit.releases
 from launch import ROOT, bench, run_tasks, srun_envs
 
 pytestmark = [pytest.mark.core, pytest.mark.multiproc]
@@ -38,10 +39,11 @@ def expected_refusal(column: str) -> str | None:
 
 # column -> (the trainer and its arguments, the checker's view of the request, a word its refusal must name)
 REQUESTS = {
-    "replica torch-pipe": ("bench_ddp_transformer", ["--engine", "torch-pipe"], ct.Training(engine="torch-pipe"),
+    "replica torch-pipe": ("bench_ddp_transformer", ["--engine", "torch-pipe"],
+                           kit.arguments.Training(engine="torch-pipe"),
                            "torch-pipe"),
     **{f"stage {s}": ("bench_stage", ["--pp", "2", "--schedule", s, "--chunks", "4"],
-                      ct.Training(layout="stage", schedule=s), "stage" if V < (2, 4) else s) for s in ct.SCHEDULES},
+                      kit.arguments.Training(layout="stage", schedule=s), "stage" if V < (2, 4) else s) for s in kit.arguments.SCHEDULES},
 }
 
 
@@ -50,7 +52,7 @@ def test_missing_feature_is_refused_up_front(request, tmp_path, column):
     from conftest import refused
     script, args, training, word = REQUESTS[column]
     needs = expected_refusal(column)
-    assert bool(ct.torch_refusals(torch.__version__, training, cpu=True)) == bool(needs), (column, needs)
+    assert bool(kit.releases.torch_refusals(torch.__version__, training, cpu=True)) == bool(needs), (column, needs)
     if not needs:
         pytest.skip(f"torch {RELEASE} runs {column} on the CPU: its own tests run it")
     [lone] = srun_envs(2)[:1]  # task 0 of 2; task 1 never starts
@@ -68,7 +70,7 @@ def test_missing_feature_is_refused_up_front(request, tmp_path, column):
 
 @pytest.mark.compat("engine auto")
 def test_engine_auto_picks_the_release_engine(tmp_path):
-    has_pipe = not ct.torch_refusals(torch.__version__, ct.Training(engine="torch-pipe"))
+    has_pipe = not kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(engine="torch-pipe"))
     expected = "torch-pipe" if has_pipe else "fairscale"
     [r] = bench(["--synthetic", "200", "--epochs", "1", "--max-steps", "2", "--batch-size", "16", "--cache-dir",
                  str(tmp_path)], timeout=120)

@@ -1,4 +1,4 @@
-"""The per-GPU memory estimate (check_topology I.4) against the peak torch's MemTracker measures in the trainers' own
+"""The per-GPU memory estimate (kit/memory.py) against the peak torch's MemTracker measures in the trainers' own
 steps on the CPU, and the checker's use of it (does-not-fit with its fixes, memory-tight, --advise, both layouts).
 
 The harness is benchmarks/memory_grid.py (its --quick grid here; the whole grid is a benchmark, run by hand).
@@ -22,6 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import check_topology as ct  # noqa: E402
+import kit.allocation  # noqa: E402
+import kit.arguments  # noqa: E402
+import kit.checks  # noqa: E402
+import kit.jobscript  # noqa: E402
+import kit.memory  # noqa: E402
+import kit.plan  # noqa: E402
+import kit.site  # noqa: E402
+import kit.slurm  # noqa: E402
 from launch import run_tasks, srun_envs  # noqa: E402
 
 # MemTracker (torch.distributed._tools.mem_tracker) arrived in torch 2.5: the 2.3.1 and 2.4.1 lanes lack it, 2.6.0 on
@@ -101,8 +109,8 @@ def test_zero_partition_is_torchs():
     from torch.distributed.optim import ZeroRedundancyOptimizer
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model = dict(ct.GPU_DEFAULTS, nlayers=6, d_model=32, d_hid=48, vocab_size=300)
-    params = ct._replica_params(model, 3)
+    model = dict(kit.arguments.GPU_DEFAULTS, nlayers=6, d_model=32, d_hid=48, vocab_size=300)
+    params = kit.memory._replica_params(model, 3)
     tensors = [torch.nn.Parameter(torch.zeros(n)) for n, _ in params]
     part_of = {id(t): part for t, (_, part) in zip(tensors, params)}
     zero = ZeroRedundancyOptimizer(tensors, optimizer_class=torch.optim.AdamW, lr=1e-3)
@@ -111,8 +119,8 @@ def test_zero_partition_is_torchs():
     for rank, groups in enumerate(zero._partition_parameters()):
         for t in groups[0]["params"]:
             owned[rank][part_of[id(t)]] += t.numel()
-    assert ct._zero_shares(params, 3, 3) == [max(owned[r][p] for r in range(3)) for p in range(3)]
-    assert ct._zero_shares([(10, 0), (7, 1), (5, 0), (5, 1), (1, 1)], 2, 2) == [10, 8]
+    assert kit.memory._zero_shares(params, 3, 3) == [max(owned[r][p] for r in range(3)) for p in range(3)]
+    assert kit.memory._zero_shares([(10, 0), (7, 1), (5, 0), (5, 1), (1, 1)], 2, 2) == [10, 8]
 
 
 @pytest.mark.multiproc
@@ -123,57 +131,57 @@ def test_zero_optimizer_state_counted_over_three_replicas(tmp_path):
     results = run_tasks([str(ROOT / "tests" / "zero_memory_worker.py"), str(tmp_path), *args], srun_envs(3))
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     held = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
-    model = dict(ct.CPU_DEFAULTS, batch_size=8, chunks=2, seq_len=16)
-    est = ct.estimate_memory(model, ct.Training(zero=True), 2, 3, arch="cpu")
+    model = dict(kit.arguments.CPU_DEFAULTS, batch_size=8, chunks=2, seq_len=16)
+    est = kit.memory.estimate_memory(model, kit.arguments.Training(zero=True), 2, 3, arch="cpu")
     assert [max(h[p] for h in held) for p in range(2)] == [m.optimizer for m in est]
-    plain = ct.estimate_memory(model, ct.Training(), 2, 3, arch="cpu")
+    plain = kit.memory.estimate_memory(model, kit.arguments.Training(), 2, 3, arch="cpu")
     assert sum(sum(h) for h in held) == sum(m.optimizer for m in plain)  # every state once, on one rank
 
 
 # ---- the model's terms and assumptions -------------------------------------------------------------------------
 
 def test_estimate_terms():
-    model = dict(ct.GPU_DEFAULTS, batch_size=64, chunks=4)
-    plain = ct.estimate_memory(model, ct.Training(), 2, 6)
-    assert [m.contents for m in plain] == ct.part_contents(16, 2)
+    model = dict(kit.arguments.GPU_DEFAULTS, batch_size=64, chunks=4)
+    plain = kit.memory.estimate_memory(model, kit.arguments.Training(), 2, 6)
+    assert [m.contents for m in plain] == kit.plan.part_contents(16, 2)
     assert all(m.alive == 4 and m.total == m.peak + m.allowance for m in plain)
-    assert all(m.allowance == int(ct.ALLOWANCE_GIB * ct.GIB + ct.ALLOWANCE_FRACTION * m.peak) for m in plain)
+    assert all(m.allowance == int(kit.memory.ALLOWANCE_GIB * kit.memory.GIB + kit.memory.ALLOWANCE_FRACTION * m.peak) for m in plain)
     assert all(m.buckets == m.params and m.optimizer == 2 * m.params for m in plain)
     assert all(m.peak_at == "backward, first micro-batch back" for m in plain)  # the GPU defaults' peak
-    more_chunks = ct.estimate_memory(dict(model, chunks=16), ct.Training(), 2, 6)
+    more_chunks = kit.memory.estimate_memory(dict(model, chunks=16), kit.arguments.Training(), 2, 6)
     assert all(0.9 * p.activations < c.activations <= 1.01 * p.activations for c, p in zip(more_chunks, plain))
-    zero = ct.estimate_memory(model, ct.Training(zero=True), 2, 6)
+    zero = kit.memory.estimate_memory(model, kit.arguments.Training(zero=True), 2, 6)
     assert all(z.optimizer < p.optimizer for z, p in zip(zero, plain))
-    ckpt = ct.estimate_memory(model, ct.Training(activation_checkpointing=True), 2, 6)
+    ckpt = kit.memory.estimate_memory(model, kit.arguments.Training(activation_checkpointing=True), 2, 6)
     assert all(c.total < p.total and c.recompute > 0 for c, p in zip(ckpt, plain))
-    bf16 = ct.estimate_memory(model, ct.Training(precision="bf16"), 2, 6)
+    bf16 = kit.memory.estimate_memory(model, kit.arguments.Training(precision="bf16"), 2, 6)
     assert all(b.weight_copies > 0 and b.activations < p.activations for b, p in zip(bf16, plain))
-    assert ct.estimate_memory(model, ct.Training(), 2, 6, arch="cpu")[0].allowance == 0
-    line = ct.format_memory(plain, 32.0)
+    assert kit.memory.estimate_memory(model, kit.arguments.Training(), 2, 6, arch="cpu")[0].allowance == 0
+    line = kit.memory.format_memory(plain, 32.0)
     assert line.startswith("memory estimate: ") and "of 32.0 GiB" in line and "4 alive at most" in line
     assert "peak at backward, first micro-batch back" in line
-    assert ct.memory_line(model, ct.Training(), 2, 6, 32.0) == line
-    stage = ct.memory_line(model, ct.Training(layout="stage", pp=2, schedule="1f1b"), 2, 6, 32.0)
+    assert kit.memory.memory_line(model, kit.arguments.Training(), 2, 6, 32.0) == line
+    stage = kit.memory.memory_line(model, kit.arguments.Training(layout="stage", pp=2, schedule="1f1b"), 2, 6, 32.0)
     assert " on task " in stage and "at most" in stage
 
 
 def test_attention_kernels_per_device_and_precision():
     """The kernel choices the estimate assumes (sdp_utils.cpp): flash for 16 bits on sm80, memory-efficient for
     fp32 and on V100, the math path for head dims the fused kernels refuse and for dropout on the CPU."""
-    assert ct.attention_kernel("sm80", "bf16", 64, 0.1) == "flash"
-    assert ct.attention_kernel("sm80", "fp32", 64, 0.1) == "efficient"
-    assert ct.attention_kernel("sm70", "fp16", 64, 0.1) == "efficient"
-    assert ct.attention_kernel("sm80", "bf16", 12, 0.0) == "math"
-    assert ct.attention_kernel("cpu", "fp32", 16, 0.0) == "flash"
-    assert ct.attention_kernel("cpu", "bf16", 16, 0.1) == "math"
+    assert kit.memory.attention_kernel("sm80", "bf16", 64, 0.1) == "flash"
+    assert kit.memory.attention_kernel("sm80", "fp32", 64, 0.1) == "efficient"
+    assert kit.memory.attention_kernel("sm70", "fp16", 64, 0.1) == "efficient"
+    assert kit.memory.attention_kernel("sm80", "bf16", 12, 0.0) == "math"
+    assert kit.memory.attention_kernel("cpu", "fp32", 16, 0.0) == "flash"
+    assert kit.memory.attention_kernel("cpu", "bf16", 16, 0.1) == "math"
 
 
 def test_memory_efficient_attention_keeps_its_output_twice():
     """The memory-efficient kernel writes (B, S, H, D), MHA's reshape copies it for out_proj, and both are saved: one
     more output per Layer than flash, whose output the reshape only views."""
     z = dict(n=512, nb=2, seq=256, d=1024, dh=4096, h=16, vocab=30000, a=2, drop=True, cpu=False, traced=False)
-    flash = ct._forward("layer", ct._Dims(attn="flash", **z), False)["saved"]["activations"]
-    efficient = ct._forward("layer", ct._Dims(attn="efficient", **z), False)["saved"]["activations"]
+    flash = kit.memory._forward("layer", kit.memory._Dims(attn="flash", **z), False)["saved"]["activations"]
+    efficient = kit.memory._forward("layer", kit.memory._Dims(attn="efficient", **z), False)["saved"]["activations"]
     lse_pad = 4 * 16 * 2 * 256 - 4 * 16 * 512  # logsumexp: (B, H, S) for both here (256 is a multiple of 32)
     assert efficient - flash == 2 * 512 * 1024 + lse_pad
 
@@ -181,21 +189,21 @@ def test_memory_efficient_attention_keeps_its_output_twice():
 def test_dropout_masks_by_device():
     """CUDA's fused dropout keeps a bool per element, the CPU a mask in the input's dtype."""
     z = dict(n=64, nb=1, seq=64, d=32, dh=64, h=2, vocab=100, a=4, attn="flash", traced=False)
-    cuda = ct._forward("enc", ct._Dims(drop=True, cpu=False, **z), False)["saved"]["activations"]
-    cpu = ct._forward("enc", ct._Dims(drop=True, cpu=True, **z), False)["saved"]["activations"]
+    cuda = kit.memory._forward("enc", kit.memory._Dims(drop=True, cpu=False, **z), False)["saved"]["activations"]
+    cpu = kit.memory._forward("enc", kit.memory._Dims(drop=True, cpu=True, **z), False)["saved"]["activations"]
     assert (cuda, cpu) == (64 * 32, 4 * 64 * 32)
 
 
 def test_estimate_refuses_bad_input():
-    model = dict(ct.GPU_DEFAULTS)
+    model = dict(kit.arguments.GPU_DEFAULTS)
     with pytest.raises(ValueError, match="precision 'fp8'"):
-        ct.estimate_memory(model, ct.Training(precision="fp8"), 2, 1)
+        kit.memory.estimate_memory(model, kit.arguments.Training(precision="fp8"), 2, 1)
     with pytest.raises(ValueError, match="chunks=128"):
-        ct.estimate_memory(dict(model, chunks=128), ct.Training(), 2, 1)
+        kit.memory.estimate_memory(dict(model, chunks=128), kit.arguments.Training(), 2, 1)
     with pytest.raises(ValueError, match="arch 'sm99'"):
-        ct.estimate_memory(model, ct.Training(), 2, 1, arch="sm99")
+        kit.memory.estimate_memory(model, kit.arguments.Training(), 2, 1, arch="sm99")
     with pytest.raises(ValueError, match="schedule='zb'"):
-        ct.estimate_stage_memory(model, ct.Training(layout="stage", schedule="zb"), 2, 1)
+        kit.memory.estimate_stage_memory(model, kit.arguments.Training(layout="stage", schedule="zb"), 2, 1)
 
 
 @pytest.mark.parametrize("schedule,virtual,chunks,rank,alive", [
@@ -204,8 +212,8 @@ def test_estimate_refuses_bad_input():
 def test_stage_schedules_keep_what_torch_keeps(schedule, virtual, chunks, rank, alive):
     """Micro-batches alive at most on a task (pp 4): 1F1B at most pp - rank, GPipe and LoopedBFS all; every
     forward is followed by its backward, on the same stage."""
-    actions = ct.stage_actions(schedule, 4, virtual, chunks, rank)
-    assert ct._stage_alive(schedule, 4, virtual, chunks, rank) == alive
+    actions = kit.memory.stage_actions(schedule, 4, virtual, chunks, rank)
+    assert kit.memory._stage_alive(schedule, 4, virtual, chunks, rank) == alive
     for k in range(virtual):
         assert actions.count(("F", k)) == actions.count(("B", k)) == chunks
 
@@ -225,7 +233,7 @@ def test_interleaved_order_is_torchs(virtual, chunks):
             lambda step: ((step // per_round) % virtual) * pp + rank,
             lambda step: (virtual - 1 - ((step - warm) // per_round) % virtual) * pp + rank)
         theirs = [("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index // pp) for a in ops if a]
-        assert ct.stage_actions("interleaved1f1b", pp, virtual, chunks, rank) == theirs
+        assert kit.memory.stage_actions("interleaved1f1b", pp, virtual, chunks, rank) == theirs
 
 
 # ---- using it before the queue: the checker ---------------------------------------------------------------
@@ -243,22 +251,22 @@ def plan(*extra: str) -> tuple[int, str]:
 @pytest.mark.parametrize("constraint,gib", [("v100-16g", 16160 / 1024), ("v100-32g", 32510 / 1024),
                                             ("a100", 80.0), ("h100", 81559 / 1024)])
 def test_gpu_memory_from_constraint(constraint, gib):
-    assert ct.gpu_memory(ct.Job(constraint=constraint)) == (gib, f"-C {constraint}")
-    assert ct.gpu_memory(ct.Job(constraint=constraint, gpu_mem=12.5))[0] == 12.5  # --gpu-mem wins
-    assert ct.gpu_memory(ct.Job(partition="gpu_p4"))[0] == 40.0  # the 40 GB A100s
-    assert ct.gpu_memory(ct.Job(partition="gpu_p13"))[1].endswith("assuming 16 GB")
-    assert ct.gpu_memory(ct.Job()) == (None, "unknown")  # then the fit is not checked
+    assert kit.site.gpu_memory(kit.slurm.Job(constraint=constraint)) == (gib, f"-C {constraint}")
+    assert kit.site.gpu_memory(kit.slurm.Job(constraint=constraint, gpu_mem=12.5))[0] == 12.5  # --gpu-mem wins
+    assert kit.site.gpu_memory(kit.slurm.Job(partition="gpu_p4"))[0] == 40.0  # the 40 GB A100s
+    assert kit.site.gpu_memory(kit.slurm.Job(partition="gpu_p13"))[1].endswith("assuming 16 GB")
+    assert kit.site.gpu_memory(kit.slurm.Job()) == (None, "unknown")  # then the fit is not checked
 
 
 def test_page_template_fits_on_v100():
-    model = dict(ct.GPU_DEFAULTS, nlayers=16, chunks=4, batch_size=64)
+    model = dict(kit.arguments.GPU_DEFAULTS, nlayers=16, chunks=4, batch_size=64)
     for c in ("v100-32g", "v100-16g"):
-        job, training, _ = ct.read_sbatch(PAGE)
+        job, training, _ = kit.jobscript.read_sbatch(PAGE)
         job.constraint = c
-        report = ct.check_job(job, training)
+        report = kit.checks.check_job(job, training)
         assert not [f for f in report.findings if f.code in ("does-not-fit", "memory-tight")], report.text()
-        worst = ct.worst_part(model, ct.Training(), 2, 6, "sm70")
-        assert any(n.startswith(f"memory estimate: {worst.total / ct.GIB:.2f} GiB") and f"(-C {c})" in n
+        worst = kit.memory.worst_part(model, kit.arguments.Training(), 2, 6, "sm70")
+        assert any(n.startswith(f"memory estimate: {worst.total / kit.memory.GIB:.2f} GiB") and f"(-C {c})" in n
                    for n in report.notes), report.notes
 
 
@@ -285,8 +293,8 @@ def plan_text(text: str, *extra: str) -> str:
 def test_shell_variables_on_the_line_are_not_judged(tmp_path):
     f = tmp_path / "sweep.slurm"
     f.write_text(PAGE.read_text().replace("--batch-size 64 --epochs", '--batch-size "$batch" --epochs'))
-    job, training, _ = ct.read_sbatch(f)
-    report = ct.check_job(job, training)
+    job, training, _ = kit.jobscript.read_sbatch(f)
+    report = kit.checks.check_job(job, training)
     assert training.unchecked and not [n for n in report.notes if "memory" in n], report.text()
     assert not [x for x in report.findings if x.code == "does-not-fit"]
     # the stage layout likewise: a size the line leaves unknown, or the pipelines themselves, judge no fit
@@ -336,7 +344,8 @@ def test_split_that_cannot_fit_is_refused_and_each_fix_is_what_the_checker_then_
 def test_memory_tight_warns_close_to_the_gpus_memory():
     """memory-tight appears above 90 % of the GPU (and the job is not refused); below it, or over it, it does not."""
     args = ["--nodes", "1", "--gpus-per-node", "4", "--ntasks-per-node", "2", "--nlayers", "16"]
-    worst = ct.worst_part(dict(ct.GPU_DEFAULTS), ct.Training(), 2, 2, "sm80").total / ct.GIB
+    worst = kit.memory.worst_part(dict(kit.arguments.GPU_DEFAULTS), kit.arguments.Training(), 2, 2,
+                                  "sm80").total / kit.memory.GIB
     code, out = plan(*args, "--gpu-mem", f"{worst / 0.95:.3f}")
     assert code == 0 and "memory-tight" in out and f"estimated at {worst:.1f} GiB" in out, out
     code, out = plan(*args, "--gpu-mem", f"{worst / 0.85:.3f}")
@@ -352,10 +361,10 @@ def test_trainer_line_model_and_memory_options(tmp_path):
         "--activation-checkpointing --zero --epochs 2")
     f = tmp_path / "job.slurm"
     f.write_text(text)
-    job, training, findings = ct.read_sbatch(f)
+    job, training, findings = kit.jobscript.read_sbatch(f)
     assert training.model == dict(d_model=2048, seq_len=512, dropout=0.0)
     assert (training.precision, training.activation_checkpointing, training.zero) == ("fp16", True, True)
-    report = ct.check_job(job, training)
+    report = kit.checks.check_job(job, training)
     assert not [x for x in report.findings if x.code == "does-not-fit"], report.text()
     code, out = plan(str(f), "--gpu-mem", "2")
     assert code == 1 and "does-not-fit" in out and "(--gpu-mem 2)" in out
@@ -382,10 +391,12 @@ def test_advise_lists_splits_that_fit_in_both_layouts():
     assert all(r["schedule"] == "1f1b" and r["chunks"] >= r["nb_part"] and r["ntasks_per_node"] == 4
                for r in rows if r["layout"] == "stage")
     for r in rows[:: max(1, len(rows) // 12)]:
-        t = ct.Training(layout=r["layout"], pp=r["nb_part"], schedule=r["schedule"], precision=r["precision"],
+        t = kit.arguments.Training(layout=r["layout"], pp=r["nb_part"], schedule=r["schedule"],
+                                   precision=r["precision"],
                         activation_checkpointing=r["activation_checkpointing"], zero=r["zero"])
-        m = dict(ct.GPU_DEFAULTS, batch_size=r["batch_size"], chunks=r["chunks"])
-        assert round(ct.worst_part(m, t, r["nb_part"], r["replicas"], "sm70").total / ct.GIB, 2) == r["peak_gib"]
+        m = dict(kit.arguments.GPU_DEFAULTS, batch_size=r["batch_size"], chunks=r["chunks"])
+        assert round(kit.memory.worst_part(m, t, r["nb_part"], r["replicas"], "sm70").total / kit.memory.GIB,
+                     2) == r["peak_gib"]
     assert {r["precision"] for r in rows if r["layout"] == "replica"} == {"fp32", "fp16"}  # V100: never bf16
     assert {r["precision"] for r in rows if r["layout"] == "stage"} == {"fp32"}  # the stage layout refuses fp16
     code, out = plan("--advise", "--nodes", "1", "--gpus-per-node", "4", "--gpu-mem", "1", "--global-batch", "64")
@@ -402,17 +413,18 @@ def test_gpu_memory_inside_an_allocation(tmp_path, monkeypatch):
     smi.write_text("#!/bin/sh\nprintf '32510\\n16160\\n'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
-    seen = ct.gpus_memory_here()
+    seen = kit.allocation.gpus_memory_here()
     assert seen == 16160 / 1024
-    job = ct.Job(constraint="v100-32g", gpu_mem_seen=seen)
-    assert ct.gpu_memory(job) == (seen, "the allocation's GPUs (nvidia-smi)")
+    job = kit.slurm.Job(constraint="v100-32g", gpu_mem_seen=seen)
+    assert kit.site.gpu_memory(job) == (seen, "the allocation's GPUs (nvidia-smi)")
     smi.write_text("#!/bin/sh\nexit 9\n")
-    assert ct.gpus_memory_here() is None  # a failing nvidia-smi: back to the constraint
+    assert kit.allocation.gpus_memory_here() is None  # a failing nvidia-smi: back to the constraint
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 24), st.integers(1, 8), st.integers(1, 64), st.integers(1, 8), st.integers(1, 512),
-       st.integers(1, 8), st.sampled_from(ct.PRECISIONS), st.booleans(), st.booleans(), st.sampled_from(ct.ARCHS),
+       st.integers(1, 8), st.sampled_from(kit.arguments.PRECISIONS), st.booleans(), st.booleans(),
+       st.sampled_from(kit.memory.ARCHS),
        st.sampled_from([0.0, 0.1]))
 def test_estimate_properties(nlayers, heads, per_head, nb_part, seq, chunks, precision, ckpt, zero, arch, dropout):
     """Over generated models: every term >= 0, the parts hold every parameter once, a larger batch never needs
@@ -421,22 +433,22 @@ def test_estimate_properties(nlayers, heads, per_head, nb_part, seq, chunks, pre
     tiny activations its later forwards run with every gradient already there.)"""
     model = dict(nlayers=nlayers, d_model=heads * per_head, n_head=heads, d_hid=4 * per_head, seq_len=seq,
                  vocab_size=1000, batch_size=chunks * 2, chunks=chunks, dropout=dropout)
-    t = ct.Training(precision=precision, activation_checkpointing=ckpt, zero=zero)
-    parts = ct.estimate_memory(model, t, nb_part, 3, arch)
-    assert len(parts) == nb_part and all(getattr(m, k) >= 0 for m in parts for k in ct.PartMemory.TERMS)
-    assert sum(m.params for m in parts) == 4 * sum(n for n, _ in ct._replica_params(model, nb_part))
-    bigger = ct.estimate_memory(dict(model, batch_size=chunks * 4), t, nb_part, 3, arch)
+    t = kit.arguments.Training(precision=precision, activation_checkpointing=ckpt, zero=zero)
+    parts = kit.memory.estimate_memory(model, t, nb_part, 3, arch)
+    assert len(parts) == nb_part and all(getattr(m, k) >= 0 for m in parts for k in kit.memory.PartMemory.TERMS)
+    assert sum(m.params for m in parts) == 4 * sum(n for n, _ in kit.memory._replica_params(model, nb_part))
+    bigger = kit.memory.estimate_memory(dict(model, batch_size=chunks * 4), t, nb_part, 3, arch)
     assert all(b.total >= p.total for b, p in zip(bigger, parts))
-    plain = ct.estimate_memory(model, replace(t, zero=False), nb_part, 3, arch)
+    plain = kit.memory.estimate_memory(model, replace(t, zero=False), nb_part, 3, arch)
     assert all(z.optimizer <= p.optimizer for z, p in zip(parts, plain))
-    assert ct.estimate_memory(model, t, nb_part, 1, arch) == ct.estimate_memory(model, replace(t, zero=False),
+    assert kit.memory.estimate_memory(model, t, nb_part, 1, arch) == kit.memory.estimate_memory(model, replace(t, zero=False),
                                                                                 nb_part, 1, arch)
     if ckpt:
-        full = ct.estimate_memory(model, replace(t, activation_checkpointing=False), nb_part, 3, arch)
+        full = kit.memory.estimate_memory(model, replace(t, activation_checkpointing=False), nb_part, 3, arch)
         assert all(c.per_micro_batch <= f.per_micro_batch for c, f in zip(parts, full))
     if nb_part > 1:
         stage_t = replace(t, layout="stage", pp=nb_part, schedule="1f1b",
                           precision="bf16" if precision == "fp16" else precision)
-        tasks = ct.estimate_stage_memory(model, stage_t, nb_part, 3, arch)
-        assert len(tasks) == nb_part and all(getattr(m, k) >= 0 for m in tasks for k in ct.PartMemory.TERMS)
+        tasks = kit.memory.estimate_stage_memory(model, stage_t, nb_part, 3, arch)
+        assert len(tasks) == nb_part and all(getattr(m, k) >= 0 for m in tasks for k in kit.memory.PartMemory.TERMS)
         assert sum(m.params for m in tasks) == sum(m.params for m in parts)  # the same weights, split alike

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import bench_ddp_transformer as b
+import kit.train.launch
 
 OLD = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 NEW = ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
@@ -16,16 +17,9 @@ RELEASES = {"2.3.1": OLD, "2.4.1": OLD, "2.5.1": OLD, "2.6.0": OLD, "2.7.1": OLD
             "2.10.0": NEW, "2.11.0+cu130": NEW, "2.12.0": NEW, "2.13.0+cpu": NEW, "2.14.1": NEW}
 
 
-@pytest.fixture(autouse=True)
-def own_environment(monkeypatch):
-    """nccl_environment() writes os.environ itself: each test gets a copy, so that nothing it sets (an older
-    release's TORCH_NCCL_TRACE_BUFFER_SIZE) reaches the later tests' processes (torch 2.13 warns about that name)."""
-    monkeypatch.setattr(os, "environ", os.environ.copy())
-
-
 @pytest.mark.parametrize("version", RELEASES)
 def test_flight_recorder_names_by_release(version):
-    assert b.flight_recorder_names(version) == RELEASES[version]
+    assert kit.train.launch.flight_recorder_names(version) == RELEASES[version]
 
 
 def installed_torches() -> list[Path]:
@@ -44,7 +38,7 @@ def test_the_names_are_what_the_release_reads_first(torch_dir):
              for m in re.finditer(r"max_entries_ =\s*getCvarInt\(\s*\{([^}]*)\}", (c10d / f).read_text())]
     assert lists, f"no flight recorder buffer size read in {c10d}"
     first = re.findall(r'"([A-Z_]+)"', lists[0])[0]
-    assert first == b.flight_recorder_names(version)[0], (version, lists)
+    assert first == kit.train.launch.flight_recorder_names(version)[0], (version, lists)
 
 
 @pytest.mark.parametrize("version", ["2.6.0", "2.11.0+cu130"])
@@ -53,7 +47,7 @@ def test_nccl_environment_sets_only_the_names_read_first(version, monkeypatch, t
     monkeypatch.setattr(b.torch, "__version__", version)
     for name in (*OLD, *NEW, "TORCH_NCCL_DUMP_ON_TIMEOUT", "NCCL_DEBUG"):
         monkeypatch.delenv(name, raising=False)
-    said = b.nccl_environment()
+    said = kit.train.launch.nccl_environment()
     size, dump = RELEASES[version]
     other = OLD if (size, dump) == NEW else NEW
     assert os.environ[size] == "2000" and os.environ[dump].endswith("/rank_")
@@ -71,7 +65,7 @@ def test_a_new_name_exported_for_an_older_release_is_carried_over(monkeypatch, t
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "500")
     monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "mine_"))
-    said = b.nccl_environment()
+    said = kit.train.launch.nccl_environment()
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "mine_")
     assert f"its last 500 collectives to {tmp_path / 'mine_'}<rank>" in said

@@ -37,18 +37,23 @@ def saved_model(path: Path) -> dict[str, torch.Tensor]:
 
 def resume_state(path: Path) -> dict:
     """What --resume reads besides the model (its companion file): optimizer (and GradScaler), epoch, step."""
-    import bench_ddp_transformer as b
-    return torch.load(b.resume_file(str(path)), weights_only=False)
+    import kit.train.checkpoint
+    import kit.train.options
+    import kit.train.setup
+    return torch.load(kit.train.checkpoint.resume_file(str(path)), weights_only=False)
 
 
 def replica(args: list[str]) -> torch.nn.Sequential:
     """The trainer's replica before any step (its modules, its seed), in this process."""
     import bench_ddp_transformer as b
-    import check_topology as ct
+    import kit.train.checkpoint
+    import kit.train.options
+    import kit.train.setup
+    import kit.plan
     cfg = b.parse_args(args)
-    b.resolve(cfg, cuda=False)
+    kit.train.setup.resolve(cfg, cuda=False)
     torch.manual_seed(cfg.seed)
-    return torch.nn.Sequential(*b.build_module_list(cfg, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers,
+    return torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers,
                                                                       cfg.nb_part)))
 
 
@@ -57,8 +62,10 @@ def initial_model(args: list[str]) -> dict[str, torch.Tensor]:
 
 
 def checkpointed_layers(args: list[str]) -> int:
-    import bench_ddp_transformer as b
-    return sum(isinstance(m, b.CheckpointedLayer) for m in replica(args).modules())
+    import kit.train.checkpoint
+    import kit.train.options
+    import kit.train.setup
+    return sum(isinstance(m, kit.train.options.CheckpointedLayer) for m in replica(args).modules())
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-6,

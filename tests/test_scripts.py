@@ -26,6 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import check_topology as ct
+import kit.checks
+import kit.findings
+import kit.jobscript
+import kit.plan
+import kit.shell
+import kit.slurm
 from launch import ROOT
 
 SCRIPTS = sorted((Path(__file__).resolve().parent / "sbatch" / "scripts").glob("*.slurm"))
@@ -87,7 +93,7 @@ def test_each_script_gets_exactly_its_findings(path):
 # ---- the shell, read as bash reads it --------------------------------------------------------------------------------
 def commands(text: str, variables: dict | None = None) -> list[list[str]]:
     ran: list = []
-    shell = ct.ShellRun({k: ct.ShellRun.known(v) for k, v in (variables or {}).items()}, ran.append)
+    shell = kit.shell.ShellRun({k: kit.shell.ShellRun.known(v) for k, v in (variables or {}).items()}, ran.append)
     shell.run_script(text)
     return [r.fields for r in ran]
 
@@ -134,7 +140,7 @@ def test_expansion_matches_bash(values, quoted):
                                  "do ", "done", "f() ", "case ", " in ", ";;", "esac"]), max_size=80))
 def test_any_text_is_read_without_crashing(pieces):
     ran: list = []
-    ct.ShellRun({}, ran.append).run_script("".join(pieces))  # never raises, never loops
+    kit.shell.ShellRun({}, ran.append).run_script("".join(pieces))  # never raises, never loops
 
 
 # ---- what the launch line is ------------------------------------------------------------------------------------------
@@ -152,8 +158,8 @@ def test_any_text_is_read_without_crashing(pieces):
 ])
 def test_launch_lines(line, launcher, program, srun):
     found: list = []
-    shell = ct.ShellRun({}, None)
-    shell.sink = lambda r: found.extend(ct.find_launches(r, "x", ct.Findings(), shell=shell))
+    shell = kit.shell.ShellRun({}, None)
+    shell.sink = lambda r: found.extend(kit.jobscript.find_launches(r, "x", kit.findings.Findings(), shell=shell))
     shell.run_script(line)
     [launch] = found
     assert (launch.launcher, launch.program, launch.srun is not None) == (launcher, program, srun)
@@ -163,8 +169,8 @@ def test_launch_lines(line, launcher, program, srun):
                                   "python -c 'print(1)'", "ls *.py"])
 def test_lines_that_launch_nothing(line):
     found: list = []
-    shell = ct.ShellRun({}, None)
-    shell.sink = lambda r: found.extend(ct.find_launches(r, "x", ct.Findings(), shell=shell))
+    shell = kit.shell.ShellRun({}, None)
+    shell.sink = lambda r: found.extend(kit.jobscript.find_launches(r, "x", kit.findings.Findings(), shell=shell))
     shell.run_script(line)
     assert found == []
 
@@ -232,7 +238,7 @@ VALUES = ["", "0", "1", "4", "-1", "x", "2-3", "gpu:4", "gpu:x:2", "map_gpu:0,1"
 
 @settings(max_examples=80 if os.environ.get("CI") == "true" else 400, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.sampled_from(sorted(ct.SBATCH_LONG)), st.sampled_from(VALUES)), max_size=6),
+@given(st.lists(st.tuples(st.sampled_from(sorted(kit.slurm.SBATCH_LONG)), st.sampled_from(VALUES)), max_size=6),
        st.sampled_from(["srun python t.py", "srun -c 4 torchrun --nproc_per_node=gpu t.py",
                         "python -m torch.distributed.run --nnodes 2:4 t.py", "srun python bench_ddp_transformer.py",
                         "accelerate launch --num_processes 3 t.py", "deepspeed --num_nodes 3 t.py"]))
@@ -241,8 +247,8 @@ def test_any_request_is_judged_without_crashing(tmp_path, options, launch):
     script = tmp_path / "any.slurm"
     script.write_text("#!/bin/bash\n" + "".join(f"#SBATCH --{n}={shlex_quote(v)}\n" if v else f"#SBATCH --{n}\n"
                                                 for n, v in options) + launch + "\n")
-    job, training, findings = ct.read_sbatch(script)
-    report = ct.check_job(job, training)
+    job, training, findings = kit.jobscript.read_sbatch(script)
+    report = kit.checks.check_job(job, training)
     assert isinstance(report.text(), str) and json.dumps(report.as_dict())
 
 
@@ -261,8 +267,8 @@ def test_torchrun_workers_idr_torch_and_the_checker_agree(tmp_path, gpn, workers
     script.write_text(f"#!/bin/bash\n#SBATCH -N {nodes} --ntasks-per-node=1 --gres=gpu:{gpn} -c 8\n"
                       f"srun -c 8 torchrun --nnodes {nodes} --nproc_per_node {workers} --rdzv_backend c10d "
                       "--rdzv_endpoint h:1 bench_ddp_transformer.py --nlayers 12\n")
-    job, training, _ = ct.read_sbatch(script)
-    report = ct.check_job(job, training)
+    job, training, _ = kit.jobscript.read_sbatch(script)
+    report = kit.checks.check_job(job, training)
     mine = []
     for node in range(nodes):
         for local in range(workers):
@@ -271,7 +277,7 @@ def test_torchrun_workers_idr_torch_and_the_checker_agree(tmp_path, gpn, workers
                    "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpn))), "SLURM_PROCID": str(node),
                    "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node), "SLURM_GPUS_ON_NODE": str(gpn)}
             launch = idr_torch.Launch(env)
-            plan = ct.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size,
+            plan = kit.plan.plan_task(launch.rank, launch.node_id, launch.local_rank, launch.local_world_size,
                                 launch.visible_gpus, launch.gpus_on_node, 12)
             mine.append((plan.rank, plan.node, plan.local_rank, plan.nb_part, plan.devices))
     assert mine == [(t.rank, t.node, t.local_rank, t.nb_part, t.devices) for t in report.tasks]

@@ -16,7 +16,9 @@ import torch
 
 from launch import ROOT, clean_env, srun_envs
 
-import bench_ddp_transformer as b
+import kit.train.checkpoint
+import kit.train.loop
+import kit.train.signals
 
 COMMON = ["--synthetic", "800", "--batch-size", "16", "--nlayers", "2", "--epochs", "2", "--log-every", "0"]
 LAYOUTS = {"replica": ("bench_ddp_transformer.py", 1, []),
@@ -87,23 +89,24 @@ def test_signal_to_the_process_group_with_workers(tmp_path, layout, sig):
     assert codes == [75] * ntasks, text[0][-3000:] + text[-1][-3000:]
     assert f"stopping on {sig.name} at epoch 1" in text[0] and f"checkpoint saved to {ckpt}" in text[0], text[0]
     assert not any("Traceback" in t or "killed by signal" in t for t in text), text
-    assert b.resume_file(ckpt).exists()
+    assert kit.train.checkpoint.resume_file(ckpt).exists()
 
 
 # ---- a stop signal at any moment of start-up -------------------------------------------------------------------
 def held_from(script: str) -> int:
-    """The line of `script` that installs the stop signals' handler; every statement before it imports only signal
-    and sys (or is the docstring, `from __future__`, or a plain assignment)."""
+    """The line of `script` that installs the stop signals' handler; every statement before it imports only signal,
+    sys and kit.train.signals (the standard library only: tests/test_house.py), or is the docstring or
+    `from __future__`."""
     tree = ast.parse((ROOT / script).read_text())
     for node in tree.body:
         if "signal.signal(" in ast.unparse(node) or "hold_stop_signals()" in ast.unparse(node):
             return node.lineno
-        if isinstance(node, ast.Import):
-            assert {a.name for a in node.names} <= {"signal", "sys"}, (script, node.lineno, ast.unparse(node))
-        elif isinstance(node, ast.ImportFrom):
-            assert node.module == "__future__", (script, node.lineno, ast.unparse(node))
-        else:
-            assert isinstance(node, (ast.Expr, ast.Assign, ast.AnnAssign, ast.FunctionDef)), (script, node.lineno)
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Import):
+                assert {a.name for a in inner.names} <= {"signal", "sys"}, (script, inner.lineno, ast.unparse(inner))
+            elif isinstance(inner, ast.ImportFrom):
+                assert inner.module in ("__future__", "kit.train.signals"), (script, inner.lineno, ast.unparse(inner))
+        assert isinstance(node, (ast.Expr, ast.Import, ast.ImportFrom, ast.Try)), (script, node.lineno)
     raise AssertionError(f"{script} never installs a handler for the stop signals at its top level")
 
 
@@ -160,17 +163,17 @@ def test_bench_stage_stops_on_a_signal_sent_at_its_start(tmp_path):
 @pytest.fixture
 def holding():
     """hold_signal as this process's handler of the stop signals, as the trainer has it; put back afterwards."""
-    before = {sig: signal.getsignal(sig) for sig in b.STOP_SIGNALS}
-    b.hold_stop_signals()
-    b.PENDING_SIGNALS.clear()
-    b.CTRL_C.update(saving=0, ending=False, deferred=False)
+    before = {sig: signal.getsignal(sig) for sig in kit.train.signals.STOP_SIGNALS}
+    kit.train.signals.hold_stop_signals()
+    kit.train.signals.PENDING_SIGNALS.clear()
+    kit.train.signals.CTRL_C.update(saving=0, ending=False, deferred=False)
     try:
         yield
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-        b.PENDING_SIGNALS.clear()
-        b.CTRL_C.update(saving=0, ending=False, deferred=False)
+        kit.train.signals.PENDING_SIGNALS.clear()
+        kit.train.signals.CTRL_C.update(saving=0, ending=False, deferred=False)
 
 
 class CtrlC:
@@ -182,55 +185,56 @@ class CtrlC:
 
 
 def test_ctrl_c_twice_stops_at_once(holding):
-    b.hold_signal(signal.SIGINT, None)  # the first: held, acted on at the next step
-    assert b.PENDING_SIGNALS == ["SIGINT"]
+    kit.train.signals.hold_signal(signal.SIGINT, None)  # the first: held, acted on at the next step
+    assert kit.train.signals.PENDING_SIGNALS == ["SIGINT"]
     with pytest.raises(KeyboardInterrupt):
-        b.hold_signal(signal.SIGINT, None)
+        kit.train.signals.hold_signal(signal.SIGINT, None)
 
 
 class Finalized:
     def __del__(self) -> None:  # Ctrl-C while Python runs a finalizer
-        b.hold_signal(signal.SIGINT, sys._getframe())
+        kit.train.signals.hold_signal(signal.SIGINT, sys._getframe())
 
 
 def test_ctrl_c_twice_in_a_finalizer_waits_for_the_next_step(holding):
     """Raised inside a __del__, the interrupt would be a traceback ("Exception ignored in ...", seen when the
     DataLoader's iterator shut its workers down) and lost: it waits for the next step instead."""
-    b.PENDING_SIGNALS.append("SIGINT")
+    kit.train.signals.PENDING_SIGNALS.append("SIGINT")
     Finalized()
-    assert b.CTRL_C["deferred"]
+    assert kit.train.signals.CTRL_C["deferred"]
     with pytest.raises(KeyboardInterrupt):
-        b.StopRequest().agreed(1)
+        kit.train.loop.StopRequest().agreed(1)
 
 
 def test_ctrl_c_twice_once_the_stop_is_agreed_lets_the_checkpoint_be(holding):
     """The stop is under way (its checkpoint comes next): a second Ctrl-C no longer cuts it short."""
-    b.PENDING_SIGNALS.append("SIGINT")
-    assert b.StopRequest().agreed(1)
-    b.hold_signal(signal.SIGINT, None)
-    assert b.PENDING_SIGNALS == ["SIGINT", "SIGINT"]
+    kit.train.signals.PENDING_SIGNALS.append("SIGINT")
+    assert kit.train.loop.StopRequest().agreed(1)
+    kit.train.signals.hold_signal(signal.SIGINT, None)
+    assert kit.train.signals.PENDING_SIGNALS == ["SIGINT", "SIGINT"]
 
 
 def test_ctrl_c_inside_a_save_waits_for_the_whole_pair(holding, tmp_path):
     """The second Ctrl-C comes while torch.save writes: before, the KeyboardInterrupt raised inside torch.save came
     out as a RuntimeError about the zip file ("checkpoint not saved", and training went on). Now the save
     finishes, the pair is whole, then the interrupt stops the run."""
-    b.PENDING_SIGNALS.append("SIGINT")
+    kit.train.signals.PENDING_SIGNALS.append("SIGINT")
     target = tmp_path / "ck.pt"
     weights = {"w": torch.arange(6.0)}
     with pytest.raises(KeyboardInterrupt):
-        b.save_checkpoint(str(target), weights, {"epoch": 1, "during": CtrlC()})
-    assert b.PENDING_SIGNALS == ["SIGINT", "SIGINT"]
+        kit.train.checkpoint.save_checkpoint(str(target), weights, {"epoch": 1, "during": CtrlC()})
+    assert kit.train.signals.PENDING_SIGNALS == ["SIGINT", "SIGINT"]
     torch.testing.assert_close(torch.load(target), weights)
-    companion = torch.load(b.resume_file(target), weights_only=False)
-    assert companion["during"] == 7 and companion["model_sha256"] == b.file_digest(target)
+    companion = torch.load(kit.train.checkpoint.resume_file(target), weights_only=False)
+    assert companion["during"] == 7 and companion["model_sha256"] == kit.train.checkpoint.file_digest(target)
 
 
 def test_ctrl_c_once_during_a_save_is_held(holding, tmp_path):
     """A first Ctrl-C inside a save is only noted: the save is whole, the stop comes at the next step."""
     target = tmp_path / "ck.pt"
-    b.save_checkpoint(str(target), {"w": torch.ones(2)}, {"during": CtrlC()})
-    assert b.PENDING_SIGNALS == ["SIGINT"] and torch.load(b.resume_file(target), weights_only=False)["during"] == 7
+    kit.train.checkpoint.save_checkpoint(str(target), {"w": torch.ones(2)}, {"during": CtrlC()})
+    assert kit.train.signals.PENDING_SIGNALS == ["SIGINT"] and torch.load(kit.train.checkpoint.resume_file(target),
+                                                                          weights_only=False)["during"] == 7
 
 
 def test_ctrl_c_twice_on_a_run_is_one_line(tmp_path):

@@ -1,4 +1,4 @@
-"""The checker's site layer (issue 33): Slurm's own configuration read where the checker runs (site_slurm.py,
+"""The checker's site layer (issue 33): Slurm's own configuration read where the checker runs (kit/site_slurm.py,
 --site live), the dated Jean Zay table where Slurm does not answer, and never a long wait on a slow controller.
 The verdicts against a real slurmdbd's: tests/test_site_slurmdbd.py."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import site_slurm
+from kit import site_slurm
 from launch import ROOT, clean_env
 
 JOB = "#!/bin/bash\n#SBATCH {options} -N 1 --ntasks-per-node=4 --gres=gpu:4 -c 10 --hint=nomultithread\n" \

@@ -15,11 +15,9 @@ from pathlib import Path
 import pytest
 
 import idr_torch
-from launch import ROOT, clean_env
+from launch import ROOT, clean_env, copy_kit
 
 pytestmark = pytest.mark.slurm
-SCRIPTS = ("bench_ddp_transformer.py", "bench_stage.py", "check_topology.py", "idr_torch.py",
-           "site_slurm.py")
 TEMPLATES = sorted((ROOT / "slurm").glob("*.slurm"))
 
 
@@ -27,8 +25,7 @@ TEMPLATES = sorted((ROOT / "slurm").glob("*.slurm"))
 def workdir(tmp_path_factory, slurm_cluster) -> Path:
     """A user's $WORK: the scripts and the templates, world-traversable for the job's processes."""
     work = tmp_path_factory.mktemp("work")
-    for name in SCRIPTS:
-        shutil.copy(ROOT / name, work / name)
+    copy_kit(work)
     for t in TEMPLATES:
         shutil.copy(t, work / t.name)
     return work

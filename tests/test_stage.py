@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
-import check_topology as ct
+import kit.arguments
+import kit.plan
+import kit.releases
 from launch import ROOT, bench, run_tasks, srun_envs
 
 pytestmark = pytest.mark.multiproc
@@ -21,15 +23,16 @@ STAGE = "bench_stage.py"
 
 def runs(schedule: str) -> str:
     """Skip where this release refuses the schedule on the CPU (tests/test_matrix.py checks that refusal)."""
-    refusals = ct.torch_refusals(torch.__version__, ct.Training(layout="stage", schedule=schedule), cpu=True)
+    refusals = kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(layout="stage", schedule=schedule),
+                                           cpu=True)
     if refusals:
         pytest.skip(refusals[0])
     return schedule
 
 
 # the learning test's schedule: 1f1b where this release runs it on the CPU, else gpipe
-LEARN = "gpipe" if ct.torch_refusals(torch.__version__, ct.Training(layout="stage", schedule="1f1b"), cpu=True) \
-    else "1f1b"
+LEARN = "gpipe" if kit.releases.torch_refusals(
+    torch.__version__, kit.arguments.Training(layout="stage", schedule="1f1b"), cpu=True) else "1f1b"
 
 
 def ok(results) -> str:
@@ -85,14 +88,19 @@ def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chun
 
     sys.path.insert(0, str(ROOT / "tests"))
     import bench_ddp_transformer as b
+    import kit.train.loop
+    import kit.train.setup
     import bench_stage
-    import check_topology as ct
+    import kit.arguments
+    import kit.plan
+    import kit.releases
     from hybrid_step_worker import global_batch
     cfg = bench_stage.parse_args(args)
-    b.resolve(cfg, cuda=False)
+    kit.train.setup.resolve(cfg, cuda=False)
     torch.manual_seed(cfg.seed)
     parts = 2 * virtual
-    reference = torch.nn.Sequential(*b.build_module_list(cfg, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, parts)))
+    reference = torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers,
+                                                                                 parts)))
     x, y = global_batch(cfg, 2)  # 2 pipelines
     loss = torch.nn.functional.cross_entropy(reference(x), y)
     loss.backward()
@@ -142,8 +150,10 @@ def test_both_layouts_have_every_member_of_the_trainer_protocol():
     """train() and the functions it calls take a bench.Trainer: the page's Replica or the stage layout's Stages."""
     import inspect
     import bench_ddp_transformer as b
+    import kit.train.loop
+    import kit.train.setup
     import bench_stage
-    members = sorted(set(b.Trainer.__annotations__) | {m for m in vars(b.Trainer) if not m.startswith("_")})
+    members = sorted(set(kit.train.loop.Trainer.__annotations__) | {m for m in vars(kit.train.loop.Trainer) if not m.startswith("_")})
     assert len(members) >= 20
     for cls in (b.Replica, bench_stage.Stages):
         source = inspect.getsource(cls)

@@ -71,12 +71,15 @@ def test_hybrid_equals_reference_model(tmp_path, engine, ntasks, chunks):
     # the reference: the same modules, same seed, one process, no Pipe, no DDP, the whole global batch
     sys.path.insert(0, str(ROOT / "tests"))
     import bench_ddp_transformer as b
-    import check_topology as ct
+    import kit.train.checkpoint
+    import kit.train.pipe
+    import kit.train.setup
+    import kit.plan
     from hybrid_step_worker import global_batch
     cfg = b.parse_args(args)
-    b.resolve(cfg, cuda=False)
+    kit.train.setup.resolve(cfg, cuda=False)
     torch.manual_seed(cfg.seed)
-    reference = torch.nn.Sequential(*b.build_module_list(cfg, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)))
+    reference = torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)))
     x, y = global_batch(cfg, ntasks)
     loss = torch.nn.functional.cross_entropy(reference(x), y)
     loss.backward()
@@ -135,14 +138,17 @@ def test_save_is_the_pages_file_and_loads_back(tmp_path):
     saved = ok(bench([*common, "--epochs", "1", "--save", str(ckpt)], ntasks=2))
     assert saved.count("checkpoint saved:") == 1  # rank 0 alone writes it
     import bench_ddp_transformer as b
-    import check_topology as ct
+    import kit.train.checkpoint
+    import kit.train.pipe
+    import kit.train.setup
+    import kit.plan
     cfg = b.parse_args(common)
-    b.resolve(cfg, False)
+    kit.train.setup.resolve(cfg, False)
     # the page's two lines, on the plain nn.Sequential of the page's module_list: the file is the state_dict
-    model = torch.nn.Sequential(*b.build_module_list(cfg, ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)))
+    model = torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)))
     model.load_state_dict(torch.load(ckpt))
     assert "0.0.embedding.weight" in torch.load(ckpt) and not any(k.startswith("module.") for k in torch.load(ckpt))
-    resume = torch.load(b.resume_file(ckpt), weights_only=False)  # what resuming needs, beside it
+    resume = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=False)  # what resuming needs, beside it
     assert (resume["epoch"], resume["batch_in_epoch"], resume["layout"]["nb_part"]) == (1, 0, 2)
     assert len(resume["optimizer"]["state"]) == len(list(model.parameters())) and len(resume["rng"]) == 2
     assert sorted(p.name for p in tmp_path.glob("*model.pt*")) == ["model.pt", "model.pt.resume.pt"]  # no temp
@@ -150,10 +156,10 @@ def test_save_is_the_pages_file_and_loads_back(tmp_path):
     # the Pipe model loaded from it computes what the plain model does
     code = f"""
 import sys, torch; sys.path.insert(0, {str(ROOT)!r})
-import bench_ddp_transformer as b, check_topology as ct
-cfg = b.parse_args({common!r}); b.resolve(cfg, False)
-plan = ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)
-model = b.PipeModel(b.build_module_list(cfg, plan), 'fairscale', 2, ['cpu', 'cpu'])
+import bench_ddp_transformer as b, kit.plan, kit.train.pipe, kit.train.setup
+cfg = b.parse_args({common!r}); kit.train.setup.resolve(cfg, False)
+plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)
+model = kit.train.pipe.PipeModel(b.build_module_list(cfg, plan), 'fairscale', 2, ['cpu', 'cpu'])
 model.load_state_dict(torch.load({str(ckpt)!r}))
 x = torch.randint(0, cfg.vocab_size, (6, cfg.seq_len), generator=torch.Generator().manual_seed(0))
 model.eval(); torch.save(model(x).detach(), {str(tmp_path / 'out.pt')!r}); model.close()
@@ -187,7 +193,8 @@ model.eval(); torch.save(model(x).detach(), {str(tmp_path / 'out.pt')!r}); model
 # ---- bad input: one clear line, non-zero exit, nothing half-written ------------------------------------------------
 @pytest.mark.parametrize("args,needle", [
     (["--data-dir", "/nonexistent/imdb"], "--data-dir /nonexistent/imdb does not exist"),
-    (["--chunks", "6", "--batch-size", "64"], "--chunks=6 must divide the batch size per replica (64): the micro-batches would differ in size; try --chunks 4 or 8"),
+    (["--chunks", "6", "--batch-size", "64"],
+     "--chunks=6 must divide the batch size per replica (64): the micro-batches would differ in size; try --chunks 4 or 8"),
     (["--nlayers", "1", "--nb-part", "2"], "--nlayers=1 < nb_part=2"),
     (["--save", "/sys/ckpt.pt"], "--save /sys/ckpt.pt: cannot write in /sys"),
     (["--save", "/nonexistent/dir/ckpt.pt"], "folder /nonexistent/dir does not exist"),
@@ -237,11 +244,11 @@ def test_pipe_workers_stop_and_the_process_exits(engine):
     # out of 4 on torch 2.13; a Pipe never torn down hangs instead. Several tries: it was a race.
     code = f"""
 import sys, threading, torch; sys.path.insert(0, {str(ROOT)!r})
-import bench_ddp_transformer as b, check_topology as ct
-rpc = b.init_rpc_for_pipe() if {engine!r} == 'torch-pipe' else None
-cfg = b.parse_args([]); b.resolve(cfg, False)
-plan = ct.plan_task(0, 0, 0, 1, [], None, cfg.nlayers)
-model = b.PipeModel(b.build_module_list(cfg, plan), {engine!r}, 2, ['cpu', 'cpu'])
+import bench_ddp_transformer as b, kit.plan, kit.train.pipe, kit.train.setup
+rpc = kit.train.pipe.init_rpc_for_pipe() if {engine!r} == 'torch-pipe' else None
+cfg = b.parse_args([]); kit.train.setup.resolve(cfg, False)
+plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers)
+model = kit.train.pipe.PipeModel(b.build_module_list(cfg, plan), {engine!r}, 2, ['cpu', 'cpu'])
 assert model.workers, 'the Pipe started no worker thread'
 model.eval(); model(torch.randint(0, 100, (4, cfg.seq_len))).detach()
 model.close()

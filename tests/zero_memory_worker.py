@@ -12,14 +12,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_ddp_transformer as bench  # noqa: E402
+import kit.train.setup  # noqa: E402
 import idr_torch  # noqa: E402
 from hybrid_step_worker import global_batch  # noqa: E402
 
 
 def main() -> None:
     cfg = bench.parse_args(sys.argv[2:])
-    bench.resolve(cfg, cuda=False)
-    plan = bench.make_plan(cfg, cuda=False)
+    kit.train.setup.resolve(cfg, cuda=False)
+    plan = kit.train.setup.make_plan(cfg, cuda=False)
     bench.init_distributed(120, cuda=False)
     replica = bench.Replica(cfg, plan, "fairscale")
     if not isinstance(replica.optimizer, ZeroRedundancyOptimizer):

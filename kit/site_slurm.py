@@ -1,10 +1,10 @@
 """The site's rules as Slurm itself states them, read where the checker runs (issue 33).
 
 Owns: the live read of the Slurm configuration (`scontrol show config`, `scontrol show partition`, `sacctmgr show
-qos`, `sacctmgr show assoc`) into SiteFacts, its deadline and its per-user cache. Imports only the standard library:
-check_topology.py turns the facts into findings, and keeps the dated Jean Zay table for where Slurm does not answer.
+qos`, `sacctmgr show assoc`) into SiteFacts, its deadline and its per-user cache. Imports: the standard library only.
+kit.site turns the facts into findings, and keeps the dated Jean Zay table for where Slurm does not answer.
 
-    python site_slurm.py            # what the checker would read here, as JSON (and how long it took)
+    python -m kit.site_slurm        # what the checker would read here, as JSON (and how long it took)
 
 Each command gets the same deadline (READ_SECONDS, started together): a slow or absent controller costs a check at
 most that long, and then the table stands in. A good read is cached for CACHE_SECONDS per user and configuration,
