@@ -1,6 +1,6 @@
 """The plan the trainers run: the layer split over nb_part (the page's even split when nlayers % nb_part == 0),
 and this task's GPUs (first_part ... last_part, or visible GPU 0 when Slurm binds GPUs per task).
-Owns: part_sizes/split_layers and plan_task. Imports: kit.arguments, kit.findings.
+Owns: part_sizes/split_layers (and balanced_sizes for a user's model) and plan_task. Imports: kit.arguments, kit.findings.
 """
 from __future__ import annotations
 
@@ -19,6 +19,36 @@ def part_sizes(nlayers: int, nb_part: int) -> list[int]:
         raise ValueError(f"need nb_part >= 1 and nlayers >= 0, got nb_part={nb_part}, nlayers={nlayers}")
     base, extra = divmod(nlayers, nb_part)
     return [base + (1 if p >= nb_part - extra else 0) for p in range(nb_part)]
+
+
+def balanced_sizes(costs: Sequence[float], nb_part: int) -> list[int]:
+    """Layers per part for contiguous layers of the given costs (time, or bytes): the split whose costliest part is
+    the cheapest of all (the linear partition problem, solved exactly by dynamic programming in O(n^2 nb_part)).
+    Every part gets one layer at least; among equal optima the one whose parts are most even in count is kept, so
+    equal costs give part_sizes' split. A user's model through `--model` (kit.own_model)."""
+    n = len(costs)
+    if nb_part < 1 or n < nb_part or any(c < 0 for c in costs):
+        raise ValueError(f"need 1 <= nb_part <= {n} layers and costs >= 0, got nb_part={nb_part}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    even = part_sizes(n, nb_part)
+    # best[k][i]: (the costliest part, the distance to the even split) for layers [0, i) in k parts
+    best = [[(float("inf"), 0)] * (n + 1) for _ in range(nb_part + 1)]
+    cut = [[0] * (n + 1) for _ in range(nb_part + 1)]
+    best[0][0] = (0.0, 0)
+    for k in range(1, nb_part + 1):
+        for i in range(k, n - (nb_part - k) + 1):
+            for j in range(k - 1, i):
+                worst, spread = best[k - 1][j]
+                cand = (max(worst, prefix[i] - prefix[j]), spread + abs(i - j - even[k - 1]))
+                if cand < best[k][i]:
+                    best[k][i], cut[k][i] = cand, j
+    sizes, i = [], n
+    for k in range(nb_part, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return sizes[::-1]
 
 
 def split_layers(nlayers: int, nb_part: int) -> list[int]:

@@ -84,7 +84,7 @@ def test_the_signals_module_imports_the_standard_library_only():
 
 def test_the_checkers_modules_import_no_torch():
     for path in KIT:
-        if "train" in path.relative_to(ROOT / "kit").parts:
+        if "train" in path.relative_to(ROOT / "kit").parts or path.name == "own_model.py":  # the trainers'; --model's
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

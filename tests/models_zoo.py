@@ -1,0 +1,60 @@
+"""Models the kit did not write for itself, as a user would hand them to `--model FILE.py:function` (issue 34):
+a plain convolutional stack, a residual MLP with uneven blocks, and the kit's own Transformer built from the page's
+classes. Each `*_sample` function returns a batch of the shape its model takes (values never matter)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class Residual(nn.Module):
+    """x + MLP(x): the width of the hidden layer sets the block's cost."""
+
+    def __init__(self, d: int, widen: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, widen * d), nn.GELU(), nn.Linear(widen * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def conv_stack() -> nn.Sequential:
+    """Conv-BN-ReLU blocks, halving the image twice, then a 10-class head."""
+    def block(cin: int, cout: int, pool: bool) -> nn.Sequential:
+        layers = [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        return nn.Sequential(*layers, *([nn.MaxPool2d(2)] if pool else []))
+    return nn.Sequential(block(3, 32, False), block(32, 32, True), block(32, 64, False), block(64, 64, True),
+                         block(64, 128, False), nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)))
+
+
+def conv_sample() -> torch.Tensor:
+    return torch.zeros(8, 3, 32, 32)
+
+
+def residual_mlp() -> list[nn.Module]:
+    """Blocks of very different costs (hidden widths 1x to 8x): the even split is far from the balanced one."""
+    d = 128
+    return [nn.Linear(64, d), *(Residual(d, w) for w in (1, 8, 1, 1, 4, 1, 8, 1)), nn.Linear(d, 2)]
+
+
+def mlp_sample() -> torch.Tensor:
+    return torch.zeros(16, 64)
+
+
+def kit_transformer() -> list[nn.Module]:
+    """The kit's own model (bench_ddp_transformer.py's Encoder, Layer, Decoder) at its CPU defaults."""
+    import bench_ddp_transformer as bench
+    import kit.arguments
+    m = kit.arguments.CPU_DEFAULTS
+    return [bench.Encoder(m["vocab_size"], m["d_model"], 0.0, m["seq_len"]),
+            *(bench.Layer(m["d_model"], m["n_head"], m["d_hid"], 0.0) for _ in range(m["nlayers"])),
+            bench.Decoder(m["d_model"], m["d_hid"])]
+
+
+def not_a_sequence() -> nn.Module:
+    return nn.Linear(4, 4)
