@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""The split balanced by FLOPs (kit.own_model, kit.plan.balanced_sizes) against the time each part really takes, on
+this CPU: for three models the kit did not write for itself (tests/models_zoo.py: a convolutional stack, a residual
+MLP with uneven blocks, and the kit's own Transformer built from the page's classes), every part of the page's even
+split and of the balanced one is timed, forward and backward of one micro-batch on its real input, median of
+--repeats, one thread. Target (issue 34): the balanced split's slowest part within 10 % of the mean part time.
+"by measured time" is the best split of each layer's own measured time (what a profile of the layers would give):
+how far any contiguous split can go, since a layer is not cut.
+
+    python benchmarks/own_model_balance.py                 # the three models, nb_part 2 and 3
+    python benchmarks/own_model_balance.py --repeats 30
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import kit.own_model as own  # noqa: E402
+import kit.plan  # noqa: E402
+
+ZOO = str(ROOT / "tests" / "models_zoo.py")
+MODELS = {"conv stack": (f"{ZOO}:conv_stack", f"{ZOO}:conv_sample"),
+          "residual MLP": (f"{ZOO}:residual_mlp", f"{ZOO}:mlp_sample"),
+          "kit Transformer": (f"{ZOO}:kit_transformer", "8x64")}
+
+
+def part_times(spec: str, sample: str, sizes: list[int], repeats: int) -> list[float]:
+    """Seconds of forward + backward of each part on its real input (the previous parts' output), median."""
+    layers, _ = own.build_layers(spec, device="cpu")
+    x = own.sample_batch(sample)()
+    x = torch.randn(x.shape) if x.is_floating_point() else torch.randint(0, 100, x.shape)
+    times, start = [], 0
+    for n in sizes:
+        part = torch.nn.Sequential(*layers[start:start + n])
+        start += n
+        runs = []
+        for _ in range(repeats + 2):  # two untimed: the allocator and the kernels' first calls
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            t0 = time.perf_counter()
+            y = part(inp)
+            y.backward(torch.ones_like(y))
+            runs.append(time.perf_counter() - t0)
+            part.zero_grad(set_to_none=True)
+        times.append(statistics.median(runs[2:]))
+        with torch.no_grad():
+            x = part(x)
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--nb-part", type=int, nargs="+", default=[2, 3])
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print("| model | nb_part | split | layers per part | part ms (fwd+bwd) | slowest / mean |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    worst = 0.0
+    for name, (spec, sample) in MODELS.items():
+        costs = own.layer_costs(spec, sample)
+        for nb_part in args.nb_part:
+            layer_ms = part_times(spec, sample, [1] * len(costs), args.repeats)
+            splits = {"even": kit.plan.part_sizes(len(costs), nb_part),
+                      "balanced": kit.plan.balanced_sizes([c.flops for c in costs], nb_part),
+                      "by measured time": kit.plan.balanced_sizes(layer_ms, nb_part)}
+            for kind, sizes in splits.items():
+                ms = [t * 1e3 for t in part_times(spec, sample, sizes, args.repeats)]
+                ratio = max(ms) / statistics.mean(ms)
+                worst = max(worst, ratio) if kind == "balanced" else worst
+                print(f"| {name} | {nb_part} | {kind} | {sizes} | {', '.join(f'{t:.2f}' for t in ms)} | "
+                      f"{ratio:.3f} |", flush=True)
+    print(f"\nbalanced: the slowest part is at most {100 * (worst - 1):.1f} % above the mean part time "
+          f"(target 10 %): {'met' if worst <= 1.10 else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
