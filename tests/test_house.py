@@ -4,7 +4,9 @@ function over 60, and the checker's modules free of torch. Read off the sources 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -114,3 +116,18 @@ def test_the_page_script_opens_with_the_pages_code():
     text = (ROOT / "bench_ddp_transformer.py").read_text()
     for name in ("nb_part", "first_part", "last_part", "chunks", "module_list", "ddp_mp_model"):
         assert re.search(rf"\b{name}\b", text), name
+
+
+@pytest.mark.parametrize("script", list(ENTRY))
+def test_a_script_copied_alone_says_to_copy_the_folder(tmp_path, script):
+    """Users used to copy three files; the kit is a folder now: a script without kit/ beside it says so in one line."""
+    (tmp_path / script).write_text((ROOT / script).read_text())
+    if script != "idr_torch.py":
+        (tmp_path / "idr_torch.py").write_text((ROOT / "idr_torch.py").read_text())
+    r = subprocess.run([sys.executable, script, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    if script == "idr_torch.py":  # the environment's owner imports nothing of the kit
+        assert "Traceback" not in r.stderr, r.stderr
+        return
+    assert r.returncode == 1 and "copy the kit's whole folder" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
