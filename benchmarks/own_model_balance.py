@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,29 +31,6 @@ MODELS = {"conv stack": (f"{ZOO}:conv_stack", f"{ZOO}:conv_sample"),
           "kit Transformer": (f"{ZOO}:kit_transformer", "8x64")}
 
 
-def part_times(spec: str, sample: str, sizes: list[int], repeats: int) -> list[float]:
-    """Seconds of forward + backward of each part on its real input (the previous parts' output), median."""
-    layers, _ = own.build_layers(spec, device="cpu")
-    x = own.sample_batch(sample)()
-    x = torch.randn(x.shape) if x.is_floating_point() else torch.randint(0, 100, x.shape)
-    times, start = [], 0
-    for n in sizes:
-        part = torch.nn.Sequential(*layers[start:start + n])
-        start += n
-        runs = []
-        for _ in range(repeats + 2):  # two untimed: the allocator and the kernels' first calls
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            t0 = time.perf_counter()
-            y = part(inp)
-            y.backward(torch.ones_like(y))
-            runs.append(time.perf_counter() - t0)
-            part.zero_grad(set_to_none=True)
-        times.append(statistics.median(runs[2:]))
-        with torch.no_grad():
-            x = part(x)
-    return times
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=15)
@@ -67,12 +43,12 @@ def main() -> int:
     for name, (spec, sample) in MODELS.items():
         costs = own.layer_costs(spec, sample)
         for nb_part in args.nb_part:
-            layer_ms = part_times(spec, sample, [1] * len(costs), args.repeats)
+            layer_ms = own.layer_times(spec, sample, repeats=args.repeats)
             splits = {"even": kit.plan.part_sizes(len(costs), nb_part),
                       "balanced": kit.plan.balanced_sizes([c.flops for c in costs], nb_part),
                       "by measured time": kit.plan.balanced_sizes(layer_ms, nb_part)}
             for kind, sizes in splits.items():
-                ms = [t * 1e3 for t in part_times(spec, sample, sizes, args.repeats)]
+                ms = [t * 1e3 for t in own.layer_times(spec, sample, sizes, args.repeats)]
                 ratio = max(ms) / statistics.mean(ms)
                 worst = max(worst, ratio) if kind == "balanced" else worst
                 print(f"| {name} | {nb_part} | {kind} | {sizes} | {', '.join(f'{t:.2f}' for t in ms)} | "

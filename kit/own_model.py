@@ -239,6 +239,37 @@ def _measure_real(spec: str, index: int, name: str, why: Exception,
     return cost, tuple(torch.empty([x.shape[0], *outs[0].shape[1:]], dtype=outs[0].dtype) for x in xs)
 
 
+def layer_times(spec: str, sample: str, sizes: Sequence[int] | None = None, repeats: int = 15,
+                device: str = "cpu") -> list[float]:
+    """Seconds of one forward and backward of each part (`sizes` layers each; default one layer a part) on its real
+    input, median of `repeats` after two untimed runs, on `device`: what a profile taken where the job runs gives
+    (a GPU in an allocation; the CPU here), for the split by time where FLOPs do not follow it."""
+    import statistics
+    import time
+    layers, _ = build_layers(spec, device=device)
+    x = sample_batch(sample)()
+    x = (torch.randn(x.shape) if x.is_floating_point() else torch.zeros(x.shape, dtype=x.dtype)).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times, start = [], 0
+    for n in sizes or [1] * len(layers):
+        part = nn.Sequential(*layers[start:start + n])
+        start += n
+        runs = []
+        for _ in range(repeats + 2):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            sync()
+            t0 = time.perf_counter()
+            y = part(inp)
+            y.backward(torch.ones_like(y))
+            sync()
+            runs.append(time.perf_counter() - t0)
+            part.zero_grad(set_to_none=True)
+        times.append(statistics.median(runs[2:]))
+        with torch.no_grad():
+            x = part(x)
+    return times
+
+
 def cache_path(spec: str, sample: str, source: str) -> Path:
     key = hashlib.sha256(json.dumps([CACHE_FORMAT, torch.__version__, spec, sample, source]).encode()).hexdigest()
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybrid-kit" / "models"
@@ -280,15 +311,18 @@ def part_peak(costs: Sequence[LayerCost], micro: int, alive: int, precision: str
     return static + alive * per_micro
 
 
-def splits(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int) -> dict[str, list[int]]:
-    """The page's even split, and the splits balanced by FLOPs and by memory (the peak of each part)."""
-    flops = [c.flops for c in costs]
+def splits(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
+           times: Sequence[float] | None = None) -> dict[str, list[int]]:
+    """The page's even split, and the splits balanced by time (measured `times` per layer where given, else FLOPs)
+    and by memory (the peak of each part)."""
     memory = [part_peak([c], micro, chunks) for c in costs]
-    return {"even": part_sizes(len(costs), nb_part), "time": balanced_sizes(flops, nb_part),
+    return {"even": part_sizes(len(costs), nb_part),
+            "time": balanced_sizes(list(times) if times else [c.flops for c in costs], nb_part),
             "memory": balanced_sizes(memory, nb_part)}
 
 
-def table(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int) -> str:
+def table(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
+          times: Sequence[float] | None = None) -> str:
     """The per-layer figures, then each split with its parts' FLOPs and peaks."""
     lines = [f"{'layer':24s} {'params':>12s} {'MFLOP/sample':>13s} {'out KiB/sample':>15s} "
              f"{'saved KiB/sample fp32 / bf16 / fp16 / ckpt':>44s}  how"]
@@ -296,7 +330,10 @@ def table(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int) -> 
         saved = " / ".join(f"{c.saved[p] / 1024:.1f}" for p in PRECISIONS)
         lines.append(f"{c.name[:24]:24s} {c.params:12,d} {c.flops / 1e6:13.3f} {c.out_bytes / 1024:15.1f} "
                      f"{saved + ' / ' + format(c.saved_checkpointed / 1024, '.1f'):>44s}  {c.how}")
-    for kind, sizes in splits(costs, nb_part, micro, chunks).items():
+    if times:
+        lines.append("measured ms per layer (fwd+bwd of the sample's batch): " + ", ".join(f"{t * 1e3:.2f}"
+                                                                                         for t in times))
+    for kind, sizes in splits(costs, nb_part, micro, chunks, times).items():
         start, parts = 0, []
         for n in sizes:
             part = costs[start:start + n]
@@ -315,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", required=True, help="FILE.py:function returning a batch, or token ids BxS, e.g. 32x128")
     p.add_argument("--nb-part", type=int, default=2)
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per batch (the page's Pipe chunks)")
+    p.add_argument("--time-layers", action="store_true",
+                   help="time each layer for real here (a GPU when there is one) and split by time on those times, "
+                        "not on FLOPs: run it where the job runs (srun python -m kit.own_model ...)")
     p.add_argument("--json", action="store_true", help="the per-layer figures as JSON")
     p.add_argument("--no-cache", action="store_true")
     args = p.parse_args(argv)
@@ -328,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModelError as exc:
         print(f"own_model: {exc}", file=sys.stderr)
         return 2
+    times = (layer_times(args.model, args.sample, device="cuda" if torch.cuda.is_available() else "cpu")
+             if args.time_layers else None)
     print(json.dumps([asdict(c) for c in costs], indent=1) if args.json else
-          table(costs, args.nb_part, batch // args.chunks, args.chunks))
+          table(costs, args.nb_part, batch // args.chunks, args.chunks, times))
     return 0
 
 

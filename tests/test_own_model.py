@@ -150,3 +150,16 @@ def test_balanced_sizes_is_the_best_contiguous_split(costs, nb_part):
     ours = worst(list(itertools.accumulate(sizes))[:-1])
     assert ours == min(worst(c) for c in itertools.combinations(range(1, len(costs)), nb_part - 1))
     assert kit.plan.balanced_sizes([7] * len(costs), nb_part) == kit.plan.part_sizes(len(costs), nb_part)
+
+
+def test_the_split_by_time_takes_measured_times_where_given():
+    """FLOPs do not follow time everywhere (a conv stack's early blocks on the CPU: docs/own_model.md): with
+    --time-layers the split by time is the best split of the layers' measured times."""
+    costs = own.measure(*MODELS["mlp"])
+    times = own.layer_times(*MODELS["mlp"], repeats=1)
+    assert len(times) == len(costs) and all(t > 0 for t in times)
+    skewed = [1.0] * len(costs)
+    skewed[0] = float(len(costs))  # the first layer as slow as all the others together
+    got = own.splits(costs, 2, 4, 4, times=skewed)
+    assert got["time"] == [1, len(costs) - 1] and got["even"] == kit.plan.part_sizes(len(costs), 2)
+    assert own.splits(costs, 3, 4, 4)["time"] == kit.plan.balanced_sizes([c.flops for c in costs], 3)
