@@ -121,10 +121,20 @@ class SlurmUnavailable(RuntimeError):
     """This machine can't run the test cluster; the message says why."""
 
 
+_GIVEN: set[int] = set()  # every port this process handed out
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, and never one this process handed out before: the kernel may give a port it just gave again
+    once its socket is closed, and two slurmds on one port (node2's and cpu1's, in one fresh-clone run) made node2's
+    slurmd run cpu1's batch job ("Batch completion for JobId=... sent from wrong node"), which never ended."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def unavailable_reason(variant: str = "default") -> str | None:

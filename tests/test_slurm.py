@@ -247,6 +247,16 @@ def test_sweep_predict_mode_measures_the_predicted_best(slurm_cluster, workdir):
     assert advise.returncode == 0 and "fastest first, by the samples/s predicted" in advise.stdout, advise
 
 
+def test_every_daemon_has_its_own_port(slurm_cluster):
+    """slurmctld, slurmdbd and each node's slurmd on distinct ports (local_slurm.free_port never repeats one)."""
+    conf = slurm_cluster.conf.read_text()
+    ports = [int(p) for p in re.findall(r"(?:^|\s)(?:SlurmctldPort|Port|AccountingStoragePort)=(\d+)", conf, re.M)]
+    assert len(ports) == len(set(ports)) > 1, ports
+    from local_slurm import free_port
+    given = [free_port() for _ in range(3000)]
+    assert len(set(given)) == len(given)
+
+
 def test_cluster_stops_without_leftovers(tmp_path_factory):
     """A second cluster, started and stopped here: its daemons are gone and /etc/hosts is as before."""
     from conftest import skip_or_fail
