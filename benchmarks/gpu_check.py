@@ -260,12 +260,11 @@ class BareLoops:
                 p.wait()
 
 
-def bare_worker(conf: dict) -> int:
-    """One process of the bare loop: the trainer's own parts (bench_ddp_transformer.build_module_list, each part's
-    autocast at the precision asked), one after the other, cross entropy, one AdamW step; on the GPU(s) the
-    script's task of this rank uses (the CPU where there is none: the tests). Answers on stdout, WORKER_TAG first."""
+def bare_model(conf: dict):
+    """The bare loop's model for one process: the trainer's own parts (bench_ddp_transformer.build_module_list, each
+    part's autocast at the precision asked), its AdamW, one batch; on the GPU(s) the script's task of this rank uses
+    (the CPU where there is none: the tests). Returns (cfg, parts, their devices, the optimizer, x, y)."""
     import torch
-    import torch.nn.functional as F
     import bench_ddp_transformer as bench
     import kit.train.setup
     import kit.plan
@@ -276,7 +275,7 @@ def bare_worker(conf: dict) -> int:
     devices = None if conf["devices"] is None else [int(d) for d in conf["devices"].split(",")]
     visible = [str(i) for i in range(torch.cuda.device_count())] if cuda else []
     plan = kit.plan.plan_task(conf["rank"], 0, conf["rank"], conf["tasks"], visible, None, cfg.nlayers,
-                                    conf["nb_part"], None, devices)
+                              conf["nb_part"], None, devices)
     bench.use_gpus(plan)
     # the intra-op threads the trainer's task of this rank takes (its cores, or the node's split between the tasks)
     torch.set_num_threads(kit.train.setup.cpu_threads(types.SimpleNamespace(local_world_size=conf["tasks"])))
@@ -286,6 +285,16 @@ def bare_worker(conf: dict) -> int:
     opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=cfg.lr)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), device=where[0])
     y = torch.randint(0, 2, (cfg.batch_size,), device=where[-1])
+    return cfg, parts, where, opt, x, y
+
+
+def bare_worker(conf: dict) -> int:
+    """One process of the bare loop (bare_model): the parts one after the other, cross entropy, one AdamW step.
+    Answers on stdout, WORKER_TAG first."""
+    import torch
+    import torch.nn.functional as F
+    cuda = torch.cuda.is_available()
+    cfg, parts, where, opt, x, y = bare_model(conf)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

@@ -10,8 +10,8 @@ one forward and backward per layer and precision gives its parameters, the bytes
 what a part boundary sends. A layer that cannot run under fake tensors (data-dependent control flow) is measured by a
 real CPU forward on a batch of one, and said. Results are cached by the model's source and the shapes.
 Then the split: the page's even one, and the one balanced by FLOPs or by memory (kit.plan.balanced_sizes).
-Owns: LayerCost and the measurement. Imports: kit.arguments, kit.plan (torch: only in this mode, never on the
-checker's plain path).
+Owns: LayerCost and the measurement. Imports: kit.arguments, kit.plan, kit.train.options (torch: only in this
+mode, never on the checker's plain path).
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ import torch.nn as nn
 
 from kit.arguments import PRECISIONS
 from kit.plan import balanced_sizes, part_sizes
+from kit.train.options import AUTOCAST_DTYPE  # each --precision's autocast dtype, as the trainers run it
 
 CACHE_FORMAT = 1
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ModelError(ValueError):
@@ -154,7 +154,7 @@ def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch
         if key not in params:
             saved[key] = t.untyped_storage().nbytes()
         return t
-    dtype = AUTOCAST[precision]
+    dtype = AUTOCAST_DTYPE[precision]
     with FlopCounterMode(display=False) as flops:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
