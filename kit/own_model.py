@@ -8,10 +8,10 @@ The layers are built on the meta device (no memory) and run under fake tensors o
 one forward and backward per layer and precision gives its parameters, the bytes autograd saves for the backward
 (fp32, and under bf16 or fp16 autocast), its FLOPs (torch.utils.flop_counter), and the bytes of its output, which is
 what a part boundary sends. A layer that cannot run under fake tensors (data-dependent control flow) is measured by a
-real CPU forward on a batch of one, and said. Results are cached by the model's source and the shapes.
+real CPU forward on batches of one and two, and said. Results are cached by the model's source and the shapes.
 Then the split: the page's even one, and the one balanced by FLOPs or by memory (kit.plan.balanced_sizes).
-Owns: LayerCost and the measurement. Imports: kit.arguments, kit.plan, kit.train.options (torch: only in this
-mode, never on the checker's plain path).
+Owns: LayerCost and the measurement. Imports: kit.arguments, kit.plan, kit.train.errors, kit.train.options
+(torch: only in this mode, never on the checker's plain path).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from kit.arguments import PRECISIONS
 from kit.plan import balanced_sizes, part_sizes
+from kit.train.errors import first_line
 from kit.train.options import AUTOCAST_DTYPE  # each --precision's autocast dtype, as the trainers run it
 
 CACHE_FORMAT = 1
@@ -210,14 +211,11 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
                 except ModelError:
                     if i:
                         raise
+                    why = first_line(exc)[:200]
                     raise ModelError(f"--sample {sample}: the first layer ({name}) refuses a batch of shape "
-                                     f"{list(x.shape)} {x.dtype}: {first_line(exc)}; give the shape it takes") from None
+                                     f"{list(x.shape)} {x.dtype}: {why}; give the shape it takes") from None
             costs.append(cost)
     return costs
-
-
-def first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _measure_real(spec: str, index: int, name: str, why: Exception,
@@ -232,8 +230,8 @@ def _measure_real(spec: str, index: int, name: str, why: Exception,
             cost, outs = _measure_one(layer, real, name, "cpu")
         except Exception as exc:
             raise ModelError(f"--model {spec}: layer {name} fails on its input: {type(exc).__name__}: "
-                             f"{first_line(exc)}") from None
-    print(f"own_model: layer {name} does not run under fake tensors ({first_line(why)}); measured by a real CPU "
+                             f"{first_line(exc)[:200]}") from None
+    print(f"own_model: layer {name} does not run under fake tensors ({first_line(why)[:200]}); measured by a real CPU "
           "forward on batches of one and two", file=sys.stderr)
     # the next layers go on under fake tensors, at the sample's batch
     return cost, tuple(torch.empty([x.shape[0], *outs[0].shape[1:]], dtype=outs[0].dtype) for x in xs)
