@@ -79,7 +79,7 @@ def test_refused_leaves_no_job_and_pending_stays_listed(slurm_accounting):
     assert sacct_once(slurm_accounting, job, lambda row: not row.startswith("PENDING")).startswith("CANCELLED")
 
 
-def squeue_once_settled(cluster, job: str, seconds: float = 20) -> str:
+def squeue_once_settled(cluster, job: str, seconds: float = 90) -> str:
     """squeue's "state|reason" once the reason is no longer one that only says the job waits its turn."""
     deadline = time.monotonic() + seconds
     while True:
@@ -90,9 +90,10 @@ def squeue_once_settled(cluster, job: str, seconds: float = 20) -> str:
         time.sleep(0.2)
 
 
-def sacct_once(cluster, job: str, done, seconds: float = 20) -> str:
+def sacct_once(cluster, job: str, done, seconds: float = 90) -> str:
     """The job's sacct row "state|reason|qos|account|timelimit" once done(row) (slurmdbd hears of a job from
-    slurmctld's agent a few seconds after slurmctld)."""
+    slurmctld's agent a few seconds after slurmctld: about 3 s on an idle machine, more than 20 s once on a loaded
+    one, so the bound is generous; it returns as soon as the row is there)."""
     deadline = time.monotonic() + seconds
     while True:
         row = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,Reason,QOS,Account,Timelimit"],
