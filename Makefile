@@ -8,7 +8,7 @@ COMPAT := report/compat
 lane_dir = $(VENV_CACHE)/torch-$(1)-$(shell sha256sum requirements-torch-$(1).txt | cut -c1-10)
 PY     := $(VENV)/bin/python
 
-.PHONY: run test test-modern test-lanes compat-check compat-table venv lanes slurm-deps sweep speed budget gpu-check \
+.PHONY: run test test-modern test-local test-slurm test-lanes lane-files compat-check compat-table venv lanes slurm-deps sweep speed budget gpu-check \
         clean
 
 run: venv
@@ -16,20 +16,35 @@ run: venv
 
 # Everything on the pinned torch, then the matrix's core on every other release, then the compatibility table
 # (docs/releases.md) against what those runs showed (each run writes $(COMPAT)/torch-<version>.json).
+# The Slurm tests mostly wait (on slurmctld, on a credential to expire, on a requeued job), so they run beside the
+# lanes (-j2: the Slurm tests, and one lane at a time); the other tests run alone first, as some of them time things.
+# Each part runs whatever another failed (-k, status kept): one `make test` shows every failure.
 test: venv lanes slurm-deps
 	rm -rf $(COMPAT)
-	$(MAKE) --no-print-directory -k test-modern test-lanes compat-check
+	@s=0; $(MAKE) --no-print-directory test-local || s=1; \
+	 $(MAKE) --no-print-directory -k -j2 --output-sync=target test-slurm test-lanes || s=1; \
+	 $(MAKE) --no-print-directory compat-check || s=1; exit $$s
 
-# Current torch: everything but the torch 2.3 tests; the Slurm tests start (and stop) their own cluster.
+# Current torch: everything but the torch 2.3 tests (test-local, then test-slurm, in one run); the Slurm tests start
+# (and stop) their own cluster.
 test-modern: venv
 	KIT_COMPAT_DIR=$(COMPAT) $(PY) -m pytest -m "not legacy" tests
+test-local: venv
+	KIT_COMPAT_DIR=$(COMPAT) $(PY) -m pytest -m "not legacy and not slurm" tests
+test-slurm: venv
+	KIT_COMPAT_DIR=$(COMPAT) $(PY) -m pytest -m "slurm and not legacy" tests
 
-# The matrix: the `core` tests in each lane's venv (and on 2.3.1 the torch 2.3 tests: Pipe, torchtext).
+# The matrix: the `core` tests in each lane's venv (and on 2.3.1 the torch 2.3 tests: Pipe, torchtext). Only the files
+# that hold them are collected (collecting all of tests/ took 8 of each lane's seconds); tests/test_house.py checks
+# this list against what pytest collects.
+LANE_FILES := $(shell grep -l "mark\.core\|mark\.legacy" tests/test_*.py)
 test-lanes: $(addprefix test-lane-,$(LANES))
+lane-files:
+	@echo $(LANE_FILES)
 test-lane-%:
 	@d=$(call lane_dir,$*); if [ -f $$d/.installed ]; then \
 	   echo "== lane torch $* ($$d)"; \
-	   KIT_COMPAT_DIR=$(COMPAT) $$d/bin/python -m pytest -q -m "core$(if $(filter 2.3.%,$*), or legacy)" tests; \
+	   KIT_COMPAT_DIR=$(COMPAT) $$d/bin/python -m pytest -q -m "core$(if $(filter 2.3.%,$*), or legacy)" $(LANE_FILES); \
 	 else echo "make: lane torch $* was not built ($$d): not tested"; [ "$$KIT_REQUIRE_LANES" != 1 ] || exit 1; fi
 
 compat-check: venv

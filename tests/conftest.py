@@ -52,6 +52,19 @@ def started_cluster(variant: str = "default"):
         shutil.rmtree(root / "db", ignore_errors=True)  # the accounting variant's database (90 MB); logs stay
 
 
+CLUSTER_FIXTURES = {"slurm_cluster", "slurm_accounting", "affinity_cluster"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses a local cluster is a Slurm test, marked or not: `make test` runs the Slurm tests beside the
+    lanes and the others alone (-m "not slurm"), so one left unmarked would start a cluster among the timed tests.
+    Runs before -m selects (tryfirst)."""
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.slurm)
+
+
 @pytest.fixture(autouse=True)
 def own_environment():
     """Every test's changes to os.environ end with it: idr_torch.export_env() and nccl_environment() write it
@@ -116,6 +129,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     version = torch.__version__.split("+")[0]
     Path(folder).mkdir(parents=True, exist_ok=True)
     out = Path(folder) / f"torch-{version}.json"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"torch": version, "columns": _COMPAT}, indent=1, sort_keys=True))
+    # one release's tests may come in several runs (make test: test-local, then test-slurm): each adds its own
+    columns = json.loads(out.read_text())["columns"] if out.exists() else {}
+    for column, cell in _COMPAT.items():
+        for outcome, tests in cell.items():
+            columns.setdefault(column, {}).setdefault(outcome, []).extend(tests)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"torch": version, "columns": columns}, indent=1, sort_keys=True))
     tmp.replace(out)

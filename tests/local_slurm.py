@@ -137,6 +137,27 @@ def free_port() -> int:
             return port
 
 
+def daemon_port() -> int:
+    """A port for one of the cluster's daemons (slurmctld, a slurmd, slurmdbd, mariadb), below the kernel's ephemeral
+    range (net.ipv4.ip_local_port_range): no bind(0) anywhere (a test's MASTER_PORT from free_port, a gloo or Slurm
+    connection, another pytest run beside this one in `make test`) can be handed it between the moment it is chosen
+    and the moment the daemon binds it. Checked free by binding it, and never handed out twice."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    first = max(1024, low - 12000)
+    for offset in random.sample(range(low - first), low - first):
+        port = first + offset
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise SlurmUnavailable(f"no free port between {first} and {low} for the local cluster's daemons")
+
+
 def unavailable_reason(variant: str = "default") -> str | None:
     """Why a local cluster of `variant` can't be started here, or None when it can."""
     if os.geteuid() != 0:
@@ -188,7 +209,7 @@ class LocalCluster:
             (self.root / "state" / f"spool-{n}").mkdir()
         for i in range(max(g for _, g, _, _ in self.partitions.values())):
             os.mknod(self.root / "dev" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(195, i))
-        self.dbd_port = free_port() if self.variant == "accounting" else 0
+        self.dbd_port = daemon_port() if self.variant == "accounting" else 0
         self._write_conf()
         self._add_hosts([n for n in nodes])
         deadline = time.monotonic() + timeout
@@ -239,7 +260,7 @@ class LocalCluster:
             # of another test cluster running on this machine at the same time
             f"FirstJobId={random.randrange(1, 4000) * 10}",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={free_port()}",
+            f"SlurmctldPort={daemon_port()}",
             "AuthType=auth/munge", "CredType=cred/munge",
             # cred_expire also sets how long a requeued job waits before it may start again (default 120 s);
             # restarting sooner than that fails with "Job credential revoked", so shorten the wait, not skip it
@@ -271,7 +292,7 @@ class LocalCluster:
         gres = ["AutoDetect=off"]
         for i, (part, (names, gpus, cpus, feats)) in enumerate(self.partitions.items()):
             for n in names:
-                lines.append(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
+                lines.append(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={daemon_port()} "
                              f"CPUs={cpus}{f' Gres=gpu:{gpus}' if gpus else ''} Features={feats} State=UNKNOWN")
                 gres += [f"NodeName={n} Name=gpu File={r}/dev/nvidia[0-{gpus - 1}]"] if gpus else []
             allow = f" AllowQos={ACCOUNTING_ALLOW_QOS[part]}" if self.variant == "accounting" else ""
@@ -336,7 +357,7 @@ class LocalCluster:
 
     def _start_mariadb(self, password: str, deadline: float) -> int:
         """A private MariaDB server (datadir, socket, pid file under DIR) with a user `slurm` for slurmdbd."""
-        r, port = self.root, free_port()
+        r, port = self.root, daemon_port()
         sock = r / "run" / "mariadb.sock"
         init = r / "db" / "init.sql"
         # install_db bootstraps with the grant tables off: FLUSH PRIVILEGES turns them on for CREATE USER

@@ -131,3 +131,15 @@ def test_a_script_copied_alone_says_to_copy_the_folder(tmp_path, script):
         return
     assert r.returncode == 1 and "copy the kit's whole folder" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_lanes_collect_every_file_that_holds_their_tests():
+    """The lanes collect only the files the Makefile's LANE_FILES names (a grep for the markers): it must be every
+    file where pytest finds a `core` or `legacy` test, or a lane would silently run fewer."""
+    named = subprocess.run(["make", "-s", "lane-files"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert named.returncode == 0, named.stderr
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                "-m", "core or legacy", "tests"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+    files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
+    assert files and files == set(named.stdout.split()), (sorted(files), named.stdout)

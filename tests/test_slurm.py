@@ -248,10 +248,13 @@ def test_sweep_predict_mode_measures_the_predicted_best(slurm_cluster, workdir):
 
 
 def test_every_daemon_has_its_own_port(slurm_cluster):
-    """slurmctld, slurmdbd and each node's slurmd on distinct ports (local_slurm.free_port never repeats one)."""
+    """slurmctld, slurmdbd and each node's slurmd on distinct ports (local_slurm.daemon_port never repeats one), all
+    below the kernel's ephemeral range, where no bind(0) of a test running beside the cluster can take one first."""
     conf = slurm_cluster.conf.read_text()
     ports = [int(p) for p in re.findall(r"(?:^|\s)(?:SlurmctldPort|Port|AccountingStoragePort)=(\d+)", conf, re.M)]
     assert len(ports) == len(set(ports)) > 1, ports
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(1024 <= p < low for p in ports), (ports, low)
     from local_slurm import free_port
     given = [free_port() for _ in range(3000)]
     assert len(set(given)) == len(given)
