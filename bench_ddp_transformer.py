@@ -54,7 +54,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 try:  # before kit.train, which uses it
@@ -75,6 +74,8 @@ from kit.train.launch import (HOST_GROUP, TASK_GPUS, Watchdog, agree, check_rend
 from kit.train.loop import Trainer, divergence, fingerprint, train
 from kit.train.options import (CheckpointedLayer, Part, make_optimizer, make_scaler, memory_estimate, optimizer_state,
     options_text)
+from kit.train.own import (OwnModel, kit_loss, own_memory_estimate, own_parts, resolve_model, synthetic_loss,
+    synthetic_stats)
 from kit.train.pipe import OPEN_PIPES, PipeModel, init_rpc_for_pipe, pick_engine
 from kit.train.setup import cpu_placement, cpu_threads, make_plan, resolve
 
@@ -204,20 +205,26 @@ class Replica:
     name = "replica"
     equal_batches = False  # the Pipe takes a short last batch
 
-    def __init__(self, cfg: argparse.Namespace, plan: kit.plan.TaskPlan, engine: str) -> None:
-        self.cfg, self.plan, self.engine = cfg, plan, engine
+    def __init__(self, cfg: argparse.Namespace, plan: kit.plan.TaskPlan, engine: str,
+                 own: OwnModel | None = None) -> None:
+        self.cfg, self.plan, self.engine, self.own = cfg, plan, engine, own
         self.nb_part, self.dp_size, self.dp_rank = plan.nb_part, idr_torch.size, idr_torch.rank
         # the devices of the page's first_part (inputs) and last_part (labels, loss, accuracy)
         self.first_part_device, self.last_part_device = plan.device(0), plan.device(plan.nb_part - 1)
         self.stats_device = self.last_part_device
         torch.manual_seed(cfg.seed)  # same initial weights on every replica (DDP also broadcasts rank 0's)
         # model = Pipe(nn.Sequential(*module_list), chunks=args.chunks, checkpoint="never")
-        self.model = PipeModel(build_module_list(cfg, plan), engine, cfg.chunks,
-                               [plan.device(i) for i in range(plan.nb_part)])
+        # --model: the user's layers cut by the checker's split (kit.train.own), else the page's module_list
+        module_list = own_parts(cfg, plan, own) if own else build_module_list(cfg, plan)
+        self.model = PipeModel(module_list, engine, cfg.chunks, [plan.device(i) for i in range(plan.nb_part)])
+        # the loss and the step's figures: the kit's, or a --model's stand-ins on synthetic batches
+        self.loss_fn, self.stats_fn = (kit_loss, step_stats) if own is None or own.kit_data else (synthetic_loss,
+                                                                                                 synthetic_stats)
         # beyond the page: --zero shards AdamW's state over the replicas; fp16 comes with a GradScaler
         self.optimizer = make_optimizer(self.model.parameters(), cfg.lr, cfg.zero)
         self.scaler = make_scaler(cfg.precision, "cpu" if plan.cpu else "cuda")
-        self.memory, self.estimate_gib = memory_estimate(cfg, plan, self.nb_part, self.dp_size)
+        self.memory, self.estimate_gib = (own_memory_estimate if own else memory_estimate)(cfg, plan, self.nb_part,
+                                                                                          self.dp_size)
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.ddp_mp_model: DistributedDataParallel | None = None
 
@@ -245,7 +252,7 @@ class Replica:
         # the inputs go to the GPU of first_part, the labels to the GPU of last_part (where the output comes out)
         x, y = x.to(self.first_part_device, non_blocking=True), y.to(self.last_part_device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, logits = forward_backward(self.ddp_mp_model, x, y, self.scaler)
+        loss, logits = forward_backward(self.ddp_mp_model, x, y, self.scaler, self.loss_fn)
         if self.scaler is None:
             self.optimizer.step()
         else:  # fp16: unscale the gradients, skip the step if one overflowed, adapt the scale
@@ -253,7 +260,7 @@ class Replica:
             self.scaler.update()
         self.steps += 1
         self.watchdog.tick(self.steps)
-        return step_stats(loss, logits, y)
+        return self.stats_fn(loss, logits, y)
 
     def state(self) -> tuple[dict, dict] | None:
         """What rank 0 saves: the page's `model.module.state_dict()` (the whole replica, no 'module.' prefix),
@@ -274,7 +281,7 @@ class Replica:
         self.model.train()
         self.watchdog.tick(self.steps)
         y = y.to(self.last_part_device, non_blocking=True)
-        return step_stats(None, logits, y)
+        return self.stats_fn(None, logits, y)
 
     def set_lr(self, lr: float) -> None:
         """The schedule's rate for the next step (lr_at). A plain float in each group: no tensor, no host sync; under
@@ -325,11 +332,13 @@ def step_stats(loss: torch.Tensor | None, logits: torch.Tensor, y: torch.Tensor)
 
 
 def forward_backward(ddp_mp_model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                     scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scaler: torch.amp.GradScaler | None = None,
+                     loss_fn: Callable = kit_loss) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's forward and backward; returns the loss and the logits (detached). The loss is computed in fp32
-    whatever --precision; under fp16 the GradScaler scales it before backward."""
+    whatever --precision (kit_loss: cross-entropy; a --model on synthetic batches: synthetic_loss); under fp16 the
+    GradScaler scales it before backward."""
     logits = ddp_mp_model(x)
-    loss = F.cross_entropy(logits.float(), y)
+    loss = loss_fn(logits, y)
     (loss if scaler is None else scaler.scale(loss)).backward()
     return loss.detach(), logits.detach()
 
@@ -342,9 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)  # nb_part, first_part, last_part of this task, or one clear error
+    own = resolve_model(cfg, plan.nb_part)  # --model: loads, takes --sample, fills the parts; else exit 2
+    if own:
+        plan.own = own.plan.contents
     engine = pick_engine(cfg.engine)
     use_gpus(plan)  # torch.cuda.set_device(first_part), before anything touches CUDA
-    return run(cfg, cuda, engine, lambda: Replica(cfg, plan, engine))
+    return run(cfg, cuda, engine, lambda: Replica(cfg, plan, engine, own))
 
 
 def run(cfg: argparse.Namespace, cuda: bool, engine: str, make_trainer: Callable[[], "Trainer"]) -> int:

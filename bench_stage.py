@@ -52,6 +52,8 @@ from kit.train.errors import RunError, cli
 from kit.train.launch import HOST_GROUP, Watchdog  # shared: a rank blocked in a pipelining receive waits forever
 from kit.train.loop import fingerprint
 from kit.train.options import make_optimizer, memory_estimate, options_text
+from kit.train.own import (OwnModel, own_memory_estimate, own_parts, resolve_model, stage_io, synthetic_loss,
+    synthetic_stats)
 from kit.train.setup import cpu_placement, resolve, task_plan, verdict
 
 
@@ -77,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)
+    # --model: loads, takes --sample, fills one pipeline's stages (else exit 2), before any process group
+    own = resolve_model(cfg, cfg.pp * kit.trainer_checks.stages_per_rank(cfg.schedule, cfg.virtual_stages))
     bench.use_gpus(plan)  # torch.cuda.set_device(the task's GPU), before anything touches CUDA
-    return bench.run(cfg, cuda, "pipelining", lambda: Stages(cfg, plan, cuda))
+    return bench.run(cfg, cuda, "pipelining", lambda: Stages(cfg, plan, cuda, own))
 
 
 
@@ -95,9 +99,10 @@ class Stages:  # a Trainer
     engine = "pipelining"
     equal_batches = True  # the schedules want every batch the same size
 
-    def __init__(self, cfg: argparse.Namespace, plan: kit.plan.TaskPlan, cuda: bool) -> None:
+    def __init__(self, cfg: argparse.Namespace, plan: kit.plan.TaskPlan, cuda: bool,
+                 own: OwnModel | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        self.cfg, self.plan = cfg, plan
+        self.cfg, self.plan, self.own = cfg, plan, own
         self.pp, self.virtual = cfg.pp, kit.trainer_checks.stages_per_rank(cfg.schedule, cfg.virtual_stages)
         self.dp_size = idr_torch.size // self.pp
         self.nb_part = self.pp * self.virtual  # stages of one pipeline = parts of one replica
@@ -117,7 +122,10 @@ class Stages:  # a Trainer
         # initial weights as bench_ddp_transformer.py, and the same state_dict keys.
         torch.manual_seed(cfg.seed)
         cpu_plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, self.nb_part)
-        module_list = bench.build_module_list(cfg, cpu_plan)
+        # --model: the user's layers cut by the checker's split (kit.train.own), a stage a part
+        module_list = own_parts(cfg, cpu_plan, own) if own else bench.build_module_list(cfg, cpu_plan)
+        self.loss_fn, self.stats_fn = ((loss_fn, bench.step_stats) if own is None or own.kit_data
+                                       else (synthetic_loss, synthetic_stats))
         self.param_counts = [len(list(m.parameters())) for m in module_list]
         self.total_params = sum(p.numel() for m in module_list for p in m.parameters())
         self.modules = {s: module_list[s].to(self.device) for s in self.ids}
@@ -126,14 +134,13 @@ class Stages:  # a Trainer
         self.optimizers = {s: make_optimizer(m.parameters(), cfg.lr, cfg.zero,
                                                                self.mesh["dp"].get_group())
                            for s, m in self.modules.items()}
-        self.memory, self.estimate_gib = memory_estimate(cfg, plan, self.pp, self.dp_size,
-                                                                           layout="stage",
-                                                               pp=self.pp, schedule=cfg.schedule,
-                                                               virtual_stages=cfg.virtual_stages)
+        self.memory, self.estimate_gib = (own_memory_estimate if own else memory_estimate)(
+            cfg, plan, self.pp, self.dp_size, layout="stage", pp=self.pp, schedule=cfg.schedule,
+            virtual_stages=cfg.virtual_stages)
         self.schedule = None
 
     def describe(self) -> str:
-        contents = kit.plan.part_contents(self.cfg.nlayers, self.nb_part)
+        contents = self.own.plan.contents if self.own else kit.plan.part_contents(self.cfg.nlayers, self.nb_part)
         return (f"{self.dp_size} pipeline(s) x pp {self.pp} ({self.virtual} stage(s) per task), schedule "
                 f"{self.cfg.schedule}, {options_text(self.cfg, self.dp_size)}; rank 0 holds "
                 + " | ".join(f"stage {s}: {contents[s]}" for s in self.ids)
@@ -168,8 +175,8 @@ class Stages:  # a Trainer
         # and 2.6.0 have none and their gradients are the micro-batches' sum
         self.scales_grads = "scale_grads" in inspect.signature(cls.__init__).parameters
         try:
-            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=loss_fn)
-                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks, loss_fn=loss_fn))
+            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=self.loss_fn)
+                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks, loss_fn=self.loss_fn))
         except ValueError as exc:
             raise RunError(f"--schedule {self.cfg.schedule} with --chunks {self.cfg.chunks} and --pp {self.pp}: "
                            f"{exc}") from None
@@ -182,6 +189,8 @@ class Stages:  # a Trainer
         if param is None or param.default is not inspect.Parameter.empty:
             return ()
         mb, cfg = self.cfg.batch_size // self.cfg.chunks, self.cfg
+        if self.own:
+            return stage_io(self.own, s, mb)
         act = torch.empty(mb, cfg.seq_len, cfg.d_model, device="meta")
         first = torch.empty(mb, cfg.seq_len, dtype=torch.long, device="meta")
         return (first if s == 0 else act), (torch.empty(mb, 2, device="meta") if s == self.nb_part - 1 else act)
@@ -220,7 +229,7 @@ class Stages:  # a Trainer
             return torch.zeros(3, device=self.device)
         y = y.to(self.device, non_blocking=True)
         loss = torch.stack([l.detach() for l in self._losses]).mean()
-        return bench.step_stats(loss, out.detach(), y)
+        return self.stats_fn(loss, out.detach(), y)
 
     @torch.no_grad()
     def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -237,7 +246,7 @@ class Stages:  # a Trainer
         if not self.last_holder:
             return torch.zeros(2, device=self.device)
         y = y.to(self.device, non_blocking=True)
-        return bench.step_stats(None, out, y)
+        return self.stats_fn(None, out, y)
 
     def set_lr(self, lr: float) -> None:
         """As Replica.set_lr, in every stage's optimizer."""

@@ -1,6 +1,7 @@
-"""--advise: every split that fits, ranked by the samples/s a profile predicts (or by memory without one).
-Owns: the advice table. Imports: kit.arguments, kit.findings, kit.memory, kit.releases, kit.site, kit.slurm,
-kit.speed, kit.trainer_checks.
+"""--advise: every split that fits, ranked by the samples/s a profile predicts (or by memory without one); and a
+user's model's splits (kit.own_model --advise), ranked by a FLOPs proxy.
+Owns: the advice table. Imports: kit.arguments, kit.findings, kit.layer_memory, kit.memory, kit.plan, kit.releases,
+kit.site, kit.slurm, kit.speed, kit.trainer_checks.
 """
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import shlex
 
 from kit.arguments import SCRIPTS, Training, model_args, show_value
 from kit.findings import UsageError
+from kit.layer_memory import estimate_peaks, kit_sizes
 from kit.memory import GIB, requested_arch, worst_part
+from kit.plan import balanced_sizes, part_sizes
 from kit.releases import torch_refusals
 from kit.site import JEAN_ZAY, gpu_memory, is_v100, node_type
 from kit.slurm import Job
@@ -204,3 +207,101 @@ def rank_by_speed(rows: list[dict], profile: dict, model: dict, nodes: int) -> l
         r.update(samples_per_s=round(guess["samples_per_s"], 1), step_ms=round(guess["step_s"] * 1e3, 2),
                  terms_ms={k: round(v * 1e3, 2) for k, v in guess["terms"].items()}, notes=guess["notes"])
     return sorted(rows, key=lambda r: -(r["samples_per_s"] or -1))
+
+
+# ---- a user's model (kit.own_model --advise): its splits ranked, from its layers' figures ---------------------------
+
+GPUS = ("h100", "a100", "v100-32g", "v100-16g")  # the -C features of Jean Zay's GPUs (kit.site.JEAN_ZAY)
+
+
+def gpu_of(feature: str, gib: float | None = None) -> tuple[float, str, str]:
+    """GiB of one GPU of that -C feature (or `gib`), its words, and kit.memory's arch key for its kernels."""
+    job = Job(constraint=feature, gpu_mem=gib)
+    usable, source = gpu_memory(job)
+    return usable, f"{feature}, {source}", requested_arch(is_v100(job))[0]
+
+
+def _layer_splits(costs: list, nb_part: int, micro: int, chunks: int, precision: str,
+                  kit_model: dict | None) -> dict[tuple[int, ...], str]:
+    """The even split (the kit's plan for its own Transformer) and the splits balanced by time (FLOPs) and by memory
+    (each layer's peak): {sizes: 'even', 'time', 'memory', or several joined where they agree}."""
+    memory = [estimate_peaks([c], [1], micro, chunks, precision)[0].peak for c in costs]
+    even = (kit_sizes(kit_model["nlayers"], nb_part) if kit_model and kit_model["nlayers"] >= nb_part
+            else part_sizes(len(costs), nb_part))
+    out: dict[tuple[int, ...], str] = {}
+    for kind, sizes in (("even", even), ("time", balanced_sizes([c.flops for c in costs], nb_part)),
+                        ("memory", balanced_sizes(memory, nb_part))):
+        out[tuple(sizes)] = f"{out[tuple(sizes)]}={kind}" if tuple(sizes) in out else kind
+    return out
+
+
+def advise_layers(costs: list, gpus: int, gib: float, arch: str, global_batch: int, kit_model: dict | None = None,
+                  max_chunks: int = 32) -> list[dict]:
+    """Every split of `gpus` GPUs (nb_part x replicas, the page's layout) for a user's model, each with the first
+    option that fits in `gib` (fp32, --zero, the low precision, --activation-checkpointing, in that order; the
+    smallest if none does), ranked: those that fit first, then by a speed proxy, the samples per unit of the
+    slowest part's FLOPs: global batch / (that part's FLOPs a micro-batch x (chunks + nb_part - 1) micro-batch
+    times, the pipeline with its bubble; 4/3 of it under checkpointing, a forward again)."""
+    low = "fp16" if arch == "sm70" else "bf16"
+    rows = []
+    for nb_part in [n for n in divisors(gpus) if n <= len(costs)]:
+        replicas = gpus // nb_part
+        if global_batch % replicas:
+            continue
+        batch = global_batch // replicas
+        for chunks in ([1] if nb_part == 1 else [c for c in divisors(batch) if c <= max_chunks]):
+            micro = batch // chunks
+            for sizes, split in _layer_splits(costs, nb_part, micro, chunks, "fp32", kit_model).items():
+                rows.append(_layer_row(costs, list(sizes), split, micro, chunks, replicas, gib, arch, low,
+                                       kit_model, global_batch))
+    best = max((r["speed"] for r in rows if r["fits"] or not any(r["fits"] for r in rows)), default=1.0) or 1.0
+    for r in rows:
+        r["relative_speed"] = round(r.pop("speed") / best, 3)
+    # among equal speeds (the slowest part the same) the more even parts first, then fewer parts, less memory
+    return sorted(rows, key=lambda r: (not r["fits"], -r["relative_speed"], r.pop("spread"), r["nb_part"],
+                                       r["peak_gib"]))
+
+
+def _layer_row(costs: list, sizes: list[int], split: str, micro: int, chunks: int, replicas: int, gib: float,
+               arch: str, low: str, kit_model: dict | None, global_batch: int) -> dict:
+    """One split's row: the first option that fits (or the smallest), its worst part's peak and the speed proxy."""
+    options = [(p, c, z) for c in (False, True) for p in ("fp32", low) for z in ((False, True) if replicas > 1
+                                                                                 else (False,))]
+    tried = []
+    for precision, ckpt, zero in options:
+        peak = max(m.total for m in estimate_peaks(costs, sizes, micro, chunks, precision, replicas, zero, ckpt,
+                                                   arch=arch, kit_model=kit_model)) / GIB
+        tried.append((peak, precision, ckpt, zero))
+        if peak <= gib:
+            break
+    peak, precision, ckpt, zero = tried[-1] if tried[-1][0] <= gib else min(tried)
+    bounds = [sum(sizes[:p]) for p in range(len(sizes) + 1)]
+    flops = [sum(c.flops for c in costs[a:b]) * micro for a, b in zip(bounds, bounds[1:])]
+    slowest = max(flops)
+    step = slowest * (chunks + len(sizes) - 1) * (4 / 3 if ckpt else 1)
+    return dict(nb_part=len(sizes), replicas=replicas, batch_size=micro * chunks, chunks=chunks, split=split,
+                sizes=sizes, precision=precision, activation_checkpointing=ckpt, zero=zero, peak_gib=round(peak, 3),
+                fits=peak <= gib, bubble=round(bubble(len(sizes), chunks), 3),
+                speed=global_batch / step if step else 0.0, spread=sum(f * f for f in flops) / (slowest or 1) ** 2)
+
+
+def advise_layers_text(rows: list[dict], gpus: int, gib: float, source: str, global_batch: int,
+                       top: int | None = None) -> str:
+    """kit.own_model --advise: the rows, the same columns as check_topology --advise's, with the split."""
+    fit = sum(r["fits"] for r in rows)
+    shown = rows[:top] if top else rows
+    lines = [f"own_model --advise: {gpus} GPU(s) of {gib:.1f} GiB ({source}), global batch {global_batch}: "
+             f"{len(rows)} split(s), {fit} fit, {len(shown)} shown; those that fit first, fastest first by the "
+             "slowest part's FLOPs with the bubble (a proxy: relative samples/s, 1 = the best that fits; no profile "
+             "of this model), each with the first option that fits (fp32, --zero, low precision, checkpointing)",
+             f"  {'nb_part':>7} {'replicas':>8} {'batch':>5} {'chunks':>6} {'split':17} {'layers per part':20} "
+             f"{'precision':9} {'ckpt':4} {'zero':4} {'peak GiB':>8} {'bubble':>6} {'speed':>6}  fits"]
+    for r in shown:
+        lines.append(f"  {r['nb_part']:>7} {r['replicas']:>8} {r['batch_size']:>5} {r['chunks']:>6} "
+                     f"{r['split']:17} {str(r['sizes']):20} {r['precision']:9} "
+                     f"{'yes' if r['activation_checkpointing'] else 'no':4} {'yes' if r['zero'] else 'no':4} "
+                     f"{r['peak_gib']:>8.3f} {r['bubble']:>6.1%} {r['relative_speed']:>6.3f}  "
+                     f"{'yes' if r['fits'] else 'NO'}")
+    if not fit:
+        lines.append("  nothing fits: use more GPUs, a smaller sample batch or a smaller model")
+    return "\n".join(lines)

@@ -77,15 +77,16 @@ class Arg:
     hi_open: bool = False
     choices: tuple = ()
     layouts: tuple[str, ...] = ("replica", "stage")
-    group: str = "run"  # model (a GPU and a CPU default), memory, pipeline, run, files, mode
+    group: str = "run"  # model (a GPU and a CPU default), memory, pipeline, own (--model), run, files, mode
     help: str = ""
     why: str = ""
     code: str = "bad-argument"  # the finding of a value the trainer refuses
     checkpoint: bool = False  # a checkpoint must match it (bench_ddp_transformer.layout_of)
+    name: str = ""  # the attribute, where the flag's own would clash (--model: Training.model is the kit's dict)
 
     @property
     def dest(self) -> str:
-        return self.flag[2:].replace("-", "_")
+        return self.name or self.flag[2:].replace("-", "_")
 
     @property
     def cpu_default(self) -> object:
@@ -94,7 +95,7 @@ class Arg:
     @property
     def checked(self) -> bool:
         """The checker's plan, memory model or checks use it: the checker's command line takes it too."""
-        return self.group in ("model", "memory", "pipeline")
+        return self.group in ("model", "memory", "pipeline", "own")
 
     def example(self) -> str:
         if self.gpu is not None or self.lo is not None:
@@ -126,7 +127,7 @@ class Arg:
         """(value, None), or (None, the refusal)."""
         if self.kind is None:
             return bool(raw), None
-        if self.group == "files" and not str(raw).strip():  # '' would silently mean "none": no save, no record
+        if self.group in ("files", "own") and not str(raw).strip():  # '' would silently mean "none": no save, no record
             return None, (f"{self.flag} {raw!r} is an empty path; give a file or folder, or leave {self.flag} out")
         try:
             value = self.kind(raw)
@@ -195,6 +196,15 @@ ARGS = (
         code="bad-schedule", help="torch.distributed.pipelining's schedule"),
     Arg("--virtual-stages", int, 2, lo=1, hi=64, layouts=("stage",), group="pipeline",
         help=f"stages per task for {' and '.join(MULTI_STAGE)}"),
+    # the user's own model instead of the kit's Transformer (kit.own_model, kit.own_split; docs/own_model.md)
+    Arg("--model", str, group="own", name="model_spec",
+        help="FILE.py:function or module:function returning your layers (an nn.Sequential or a list of modules) "
+             "instead of the kit's Transformer"),
+    Arg("--sample", str, group="own",
+        help="with --model: a batch the first layer takes, FILE.py:function, or BxS for token ids (then the kit's "
+             "data, if the model outputs its 2 classes' logits); default --batch-size x --seq-len"),
+    Arg("--split", str, "even", choices=("even", "time", "memory"), group="own",
+        help="with --model: the page's even split of the layers, or balanced by FLOPs (time) or by memory"),
     # the run
     Arg("--epochs", int, 3, lo=1, hi=100_000),
     Arg("--max-steps", int, 0, lo=0, hi=10**9, why="0: no limit", help="stop after this many steps in all"),
@@ -271,6 +281,9 @@ class Training:
     zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
     tf32: bool = False  # --tf32: fp32 matmuls on TF32 tensor cores (no memory term: the same bytes as fp32)
     model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
+    model_spec: str | None = None  # --model FILE.py:function: the user's layers instead of the kit's Transformer
+    sample: str | None = None  # --sample
+    split: str = "even"  # --split even|time|memory
     devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
     save: str | None = None  # --save PATH (checked for writing by the trainer, at start-up)
     resume: bool = False  # --resume: start from the --save file if it exists

@@ -1,7 +1,7 @@
 """Checking a job: every task's plan (the kit's trainer in depth), then the whole; any other program at the
 Slurm and site level; the launchers' agents and workers. Owns: check_job. Imports: kit.arguments, kit.findings,
 kit.plan, kit.memory, kit.releases, kit.trainer_checks, kit.slurm, kit.placement, kit.site, kit.shell, kit.jobscript,
-kit.report.
+kit.report, kit.own_model and kit.own_split (--model only: torch).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from dataclasses import replace
 
 from kit.arguments import CPU_DEFAULTS, GPU_DEFAULTS, TRAINERS, Training, model_args
-from kit.findings import Findings
+from kit.findings import Findings, UsageError
 from kit.jobscript import LaunchLine, apply_step, workers_of
 from kit.memory import (GIB, estimate_memory, estimate_stage_memory, format_memory, memory_fixes, requested_arch,
     shared_gpu_memory)
@@ -114,18 +114,40 @@ def check_kit(report: Report, procs_per_node: list[int], gpn: int | None) -> Non
     if training.layout == "stage":
         stages = check_stage(len(plans), procs_per_node, gpn, training, findings, cpu)
         check_training(stages, training, findings, cpu=cpu)
+        own_model_split(report, stages, cpu)
         if not cpu and stages and len(plans) % training.pp == 0:  # the fit of each pipeline's tasks
             line = check_memory(job, training, training.pp, len(plans) // training.pp, gpn, findings)
             report.notes += [line] if line else []
     elif nb_parts:
         check_training(min(nb_parts), training, findings, cpu=cpu)
+        own_model_split(report, min(nb_parts), cpu)
         if not cpu:  # each leaves alone what a shell variable may hold (training.unknown)
             check_bubble(min(nb_parts), training, findings)
+        if not cpu:
             line = check_memory(job, training, min(nb_parts), len(plans), max(procs_per_node), findings)
             report.notes += [line] if line else []
     check_engine(job, training, findings)
     check_gpu_cgroups(job, procs_per_node, gpn, findings)
     note_page_indexing(report)
+
+
+def own_model_split(report: Report, nb_part: int, cpu: bool) -> None:
+    """--model: the split the trainer will run (kit.own_split, the trainers' own function), in every task's parts and
+    in a note; a model that does not load, take the sample or fill the parts is a usage error (exit 2), in one line.
+    torch is imported only here, in model mode."""
+    t = report.training
+    if not t.model_spec or nb_part < 1 or not t.known("model_spec", "sample", "split", "nb_part", "pp"):
+        return
+    from kit.own_model import ModelError  # model mode: torch from here on
+    from kit.own_split import checker_note
+    try:
+        plan, note = checker_note(t, nb_part, cpu)
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
+    t.nlayers = len(plan.names)
+    for p in report.tasks:
+        p.own, p.nlayers = plan.contents, len(plan.names)
+    report.notes.append(note)
 
 
 def check_site(job: Job, tasks_per_node: list[int], gpus_per_task: int, gpn: int | None, findings: Findings) -> None:
@@ -567,8 +589,12 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
     stage = t.layout == "stage"
     arch = requested_arch(v100)[0]
     try:
-        parts = (estimate_stage_memory(model, t, nb_part, replicas, arch, torch=torch_version_of(job.torch_module))
-                 if stage else estimate_memory(model, t, nb_part, replicas, arch))
+        if t.model_spec:  # --model: its layers' figures composed with the same terms (model mode: torch)
+            from kit.own_split import own_memory
+            parts = own_memory(t, nb_part, replicas, arch)
+        else:
+            parts = (estimate_stage_memory(model, t, nb_part, replicas, arch, torch=torch_version_of(job.torch_module))
+                     if stage else estimate_memory(model, t, nb_part, replicas, arch))
     except ValueError:
         return None  # chunks/batch/schedule already reported by check_training and check_stage
     worst = max(parts, key=lambda m: m.total)
@@ -593,7 +619,11 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
            f" GiB alive on this task" if stage else
            f"activations are {worst.alive} micro-batch(es) of {worst.per_micro_batch / GIB:.2f} GiB, all alive: with "
            f"checkpoint=\"never\" GPipe keeps every micro-batch until its backward, so more --chunks do not help")
-    fixes = memory_fixes(model, t, nb_part, replicas, tpn, gib, v100, torch_version_of(job.torch_module))
+    if t.model_spec:
+        from kit.own_split import own_fixes
+        fixes = own_fixes(t, nb_part, replicas, arch, v100, gib)
+    else:
+        fixes = memory_fixes(model, t, nb_part, replicas, tpn, gib, v100, torch_version_of(job.torch_module))
     findings.error("does-not-fit",
                    f"{worst.unit} {worst.part} ({worst.contents}) needs an estimated {worst.total / GIB:.1f} GiB per "
                    f"GPU but the GPU has {gib:.1f} GiB ({source}); peak at {worst.peak_at}, GiB: {terms}; {why}. "

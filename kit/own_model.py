@@ -9,9 +9,11 @@ one forward and backward per layer and precision gives its parameters, the bytes
 (fp32, and under bf16 or fp16 autocast), its FLOPs (torch.utils.flop_counter), and the bytes of its output, which is
 what a part boundary sends. A layer that cannot run under fake tensors (data-dependent control flow) is measured by a
 real CPU forward on batches of one and two, and said. Results are cached by the model's source and the shapes.
-Then the split: the page's even one, and the one balanced by FLOPs or by memory (kit.plan.balanced_sizes).
-Owns: LayerCost and the measurement. Imports: kit.arguments, kit.plan, kit.train.errors, kit.train.options
-(torch: only in this mode, never on the checker's plain path).
+Then the split: the page's even one, and the one balanced by FLOPs or by memory (kit.plan.balanced_sizes); each
+part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer, recognised, is kit.memory's
+estimate itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers).
+Owns: LayerCost and the measurement. Imports: kit.advise, kit.arguments, kit.layer_memory, kit.memory, kit.plan,
+kit.train.errors, kit.train.options (torch: only in this mode, never on the checker's plain path).
 """
 from __future__ import annotations
 
@@ -31,12 +33,15 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from kit.advise import GPUS, advise_layers, advise_layers_text, gpu_of
 from kit.arguments import PRECISIONS
+from kit.layer_memory import estimate_peaks, kit_sizes
+from kit.memory import GIB
 from kit.plan import balanced_sizes, part_sizes
 from kit.train.errors import first_line
 from kit.train.options import AUTOCAST_DTYPE  # each --precision's autocast dtype, as the trainers run it
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 3
 
 
 class ModelError(ValueError):
@@ -56,6 +61,14 @@ class LayerCost:
     # low-precision copies of the weights): the two from runs at the sample's batch and at twice it
     saved_checkpointed: float = 0.0  # with activation checkpointing: the layer's input alone, per sample
     how: str = "fake"  # "fake": fake tensors; "cpu": a real forward on a batch of one (fake tensors failed)
+    tensors: list[int] = field(default_factory=list)  # elements of each parameter (ZeRO's partition, AdamW's step)
+    buffer_bytes: int = 0  # buffers (BatchNorm's running statistics), fp32 beside the weights
+    input_saved: dict[str, float] = field(default_factory=dict)  # of `saved`, the layer's input itself, per sample:
+    # on the first part that is a view of the batch, already counted there
+    output_saved: dict[str, float] = field(default_factory=dict)  # and its output itself (a ReLU's), per sample:
+    # the same storage as the next layer's input, when that one saves it too
+    out_by_precision: dict[str, float] = field(default_factory=dict)  # the output per sample in each precision (a
+    # low-precision one under autocast): the next layer's input, what checkpointing keeps of it
 
 
 def load_callable(spec: str, option: str) -> Callable:
@@ -143,12 +156,13 @@ def _storages(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
     return {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
 
 
-def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch.Tensor, float, float]:
+def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch.Tensor, float, float, float, float]:
     """One forward and backward of `layer`: (its output, the bytes saved for backward that are not its parameters,
-    its FLOPs)."""
+    its FLOPs, the bytes of its input and of its output among those saved)."""
     from torch.utils.flop_counter import FlopCounterMode
     params = _storages([*layer.parameters(), *layer.buffers()])
     saved: dict[int, int] = {}
+    own_input = id(x.untyped_storage())
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = id(t.untyped_storage())
@@ -162,29 +176,38 @@ def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch
                 y = layer(x)
         if not isinstance(y, torch.Tensor):
             raise ModelError(f"returns a {type(y).__name__}: a layer of the sequence must return one tensor")
+        own_output = saved.get(id(y.untyped_storage()), 0)
         if y.requires_grad:
             y.backward(torch.ones_like(y))
-    return y.detach(), float(sum(saved.values())), float(flops.get_total_flops())
+    return (y.detach(), float(sum(saved.values())), float(flops.get_total_flops()), float(saved.get(own_input, 0)),
+            float(own_output))
 
 
-def _measure_one(layer: nn.Module, xs: tuple[torch.Tensor, torch.Tensor], name: str,
-                 how: str) -> tuple[LayerCost, tuple[torch.Tensor, torch.Tensor]]:
+def _measure_one(layer: nn.Module, xs: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str,
+                 how: str) -> tuple[LayerCost, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """`layer` on a batch of b and of 2b samples: what grows with the batch (per sample) apart from what does not
-    (per micro-batch). Returns the cost and the two outputs (the next layer's inputs)."""
-    b = xs[0].shape[0]
-    outs, saved, fixed, flops = [], {}, {}, 0.0
+    (per micro-batch). Each precision runs on what the layers before gave in that precision (under autocast a
+    ReLU's output is already low precision, and the next layer saves it as it is). Returns the cost and the
+    outputs by precision (the next layer's inputs)."""
+    b = xs["fp32"][0].shape[0]
+    outs, saved, fixed, flops, own, out_saved = {}, {}, {}, 0.0, {}, {}
     for precision in PRECISIONS:
-        runs = [_run_layer(layer, x.detach().requires_grad_(x.is_floating_point()), precision) for x in xs]
+        runs = [_run_layer(layer, x.detach().requires_grad_(x.is_floating_point()), precision)
+                for x in xs[precision]]
         saved[precision] = max(0.0, (runs[1][1] - runs[0][1]) / b)
         fixed[precision] = max(0.0, runs[0][1] - saved[precision] * b)
+        own[precision], out_saved[precision] = runs[0][3] / b, runs[0][4] / b
+        outs[precision] = (runs[0][0], runs[1][0])
         if precision == "fp32":
-            outs, flops = [r[0] for r in runs], runs[1][2] - runs[0][2]
-    x = xs[0]
+            flops = runs[1][2] - runs[0][2]
+    x, y = xs["fp32"][0], outs["fp32"][0]
     cost = LayerCost(name, sum(p.numel() for p in layer.parameters()),
                      sum(p.numel() * p.element_size() for p in layer.parameters()), flops / b,
-                     outs[0].numel() * outs[0].element_size() / b, saved, fixed,
-                     x.numel() * x.element_size() / b, how)
-    return cost, (outs[0], outs[1])
+                     y.numel() * y.element_size() / b, saved, fixed,
+                     x.numel() * x.element_size() / b, how, [p.numel() for p in layer.parameters()],
+                     sum(t.numel() * t.element_size() for t in layer.buffers()), own, out_saved,
+                     {p: o[0].numel() * o[0].element_size() / b for p, o in outs.items()})
+    return cost, outs
 
 
 def measure(spec: str, sample: str) -> list[LayerCost]:
@@ -198,7 +221,8 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
         for layer in layers:
             layer.to_empty(device="cpu")  # fake CPU storage: autocast applies, nothing is allocated
         x = make()
-        xs = tuple(torch.empty([k * x.shape[0], *x.shape[1:]], dtype=x.dtype) for k in (1, 2))
+        xs = dict.fromkeys(PRECISIONS, tuple(torch.empty([k * x.shape[0], *x.shape[1:]], dtype=x.dtype)
+                                             for k in (1, 2)))
         for i, layer in enumerate(layers):
             name = f"{i}: {type(layer).__name__}"
             try:
@@ -219,13 +243,14 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
 
 
 def _measure_real(spec: str, index: int, name: str, why: Exception,
-                  xs: tuple[torch.Tensor, torch.Tensor]) -> tuple[LayerCost, tuple[torch.Tensor, torch.Tensor]]:
+                  xs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[LayerCost, dict]:
     """The fallback for one layer: built for real on the CPU, run on batches of one and two; said on stderr."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
         layer = build_layers(spec, device="cpu")[0][index]
-        real = tuple(torch.zeros([k, *xs[0].shape[1:]], dtype=xs[0].dtype) if not xs[0].is_floating_point()
-                     else torch.randn([k, *xs[0].shape[1:]]) for k in (1, 2))
+        real = {p: tuple(torch.zeros([k, *x[0].shape[1:]], dtype=x[0].dtype) if not x[0].is_floating_point()
+                         else torch.randn([k, *x[0].shape[1:]], dtype=x[0].dtype) for k in (1, 2))
+                for p, x in xs.items()}
         try:
             cost, outs = _measure_one(layer, real, name, "cpu")
         except Exception as exc:
@@ -234,38 +259,42 @@ def _measure_real(spec: str, index: int, name: str, why: Exception,
     print(f"own_model: layer {name} does not run under fake tensors ({first_line(why)[:200]}); measured by a real CPU "
           "forward on batches of one and two", file=sys.stderr)
     # the next layers go on under fake tensors, at the sample's batch
-    return cost, tuple(torch.empty([x.shape[0], *outs[0].shape[1:]], dtype=outs[0].dtype) for x in xs)
+    return cost, {p: tuple(torch.empty([x.shape[0], *outs[p][0].shape[1:]], dtype=outs[p][0].dtype) for x in xs[p])
+                  for p in xs}
 
 
 def layer_times(spec: str, sample: str, sizes: Sequence[int] | None = None, repeats: int = 15,
                 device: str = "cpu") -> list[float]:
     """Seconds of one forward and backward of each part (`sizes` layers each; default one layer a part) on its real
     input, median of `repeats` after two untimed runs, on `device`: what a profile taken where the job runs gives
-    (a GPU in an allocation; the CPU here), for the split by time where FLOPs do not follow it."""
+    (a GPU in an allocation; the CPU here), for the split by time where FLOPs do not follow it. The parts are timed
+    in turn, round after round, so that a burst of other work on the machine slows every part alike instead of the
+    one it happened to fall on."""
     import statistics
     import time
     layers, _ = build_layers(spec, device=device)
     x = sample_batch(sample)()
     x = (torch.randn(x.shape) if x.is_floating_point() else torch.zeros(x.shape, dtype=x.dtype)).to(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    times, start = [], 0
+    parts, inputs, start = [], [], 0
     for n in sizes or [1] * len(layers):
-        part = nn.Sequential(*layers[start:start + n])
+        parts.append(nn.Sequential(*layers[start:start + n]))
         start += n
-        runs = []
-        for _ in range(repeats + 2):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+        inputs.append(x)
+        with torch.no_grad():
+            x = parts[-1](x)
+    runs: list[list[float]] = [[] for _ in parts]
+    for _ in range(repeats + 2):
+        for part, inp, times in zip(parts, inputs, runs):
+            inp = inp.detach().requires_grad_(inp.is_floating_point())
             sync()
             t0 = time.perf_counter()
             y = part(inp)
             y.backward(torch.ones_like(y))
             sync()
-            runs.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
             part.zero_grad(set_to_none=True)
-        times.append(statistics.median(runs[2:]))
-        with torch.no_grad():
-            x = part(x)
-    return times
+    return [statistics.median(times[2:]) for times in runs]
 
 
 def cache_path(spec: str, sample: str, source: str) -> Path:
@@ -297,31 +326,73 @@ def layer_costs(spec: str, sample: str, use_cache: bool = True) -> list[LayerCos
     return costs
 
 
+def kit_model(spec: str, sample: str) -> dict | None:
+    """The kit's own Transformer's arguments (kit.memory's model dict, less the batch) when --model's layers are
+    bench_ddp_transformer's Encoder, its Layers (nn.TransformerEncoderLayer, or CheckpointedLayer) and its Decoder,
+    all of one configuration and the sample token ids; None for any other model. Built on the meta device."""
+    layers, _ = build_layers(spec)
+    kinds = [(type(m).__module__.split(".")[-1], type(m).__name__) for m in layers]
+    bench, enc, dec = "bench_ddp_transformer", layers[0], layers[-1]
+    if (len(layers) < 3 or kinds[0] != (bench, "Encoder") or kinds[-1] != (bench, "Decoder")
+            or any(k not in (("transformer", "TransformerEncoderLayer"), (bench, "CheckpointedLayer"))
+                   for k in kinds[1:-1])):
+        return None
+    x = sample_batch(sample)()
+    d, blocks = enc.embedding.embedding_dim, layers[1:-1]
+    first = blocks[0]
+    model = dict(nlayers=len(blocks), d_model=d, n_head=first.self_attn.num_heads,
+                 d_hid=first.linear1.out_features, seq_len=x.shape[-1], vocab_size=enc.embedding.num_embeddings,
+                 dropout=enc.dropout.p)
+    same = all(b.self_attn.embed_dim == d and b.self_attn.num_heads == model["n_head"] and b.self_attn.batch_first
+               and b.linear1.out_features == model["d_hid"] and b.dropout.p == model["dropout"]
+               and not b.norm_first for b in blocks)
+    head = dec.head
+    if (not same or x.dim() != 2 or x.is_floating_point() or head[0].in_features != d
+            or head[0].out_features != model["d_hid"] or head[2].out_features != 2):
+        return None
+    return model
+
+
 def part_peak(costs: Sequence[LayerCost], micro: int, alive: int, precision: str = "fp32",
               checkpointing: bool = False) -> float:
-    """A first-order peak of the GPU holding `costs`: weights, AdamW's two states, the gradients and DDP's bucket
-    copy (fp32, 5 x the parameters' bytes), and what `alive` micro-batches of `micro` samples saved for backward
-    (GPipe keeps every micro-batch's until its backward). The kit's own Transformer has the op-by-op model of
-    kit.memory; this one is for a model the kit did not write, and is said to be first-order."""
-    static = 5 * sum(c.param_bytes for c in costs)
-    per_micro = (sum(c.saved_checkpointed for c in costs) * micro if checkpointing
-                 else sum(c.saved[precision] * micro + c.saved_fixed[precision] for c in costs))
-    return static + alive * per_micro
+    """The peak of a GPU holding `costs` alone, with `alive` micro-batches of `micro` samples in flight (GPipe:
+    all of them): kit.layer_memory's estimate (weights, AdamW, gradients, DDP's bucket, the micro-batches' saved
+    tensors, precision, checkpointing, the gradients in flight, AdamW's step), without the allowance. The cost per
+    layer the split by memory balances."""
+    return float(estimate_peaks(costs, [len(costs)], micro, alive, precision, checkpointing=checkpointing)[0].peak)
 
 
 def splits(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
-           times: Sequence[float] | None = None) -> dict[str, list[int]]:
-    """The page's even split, and the splits balanced by time (measured `times` per layer where given, else FLOPs)
-    and by memory (the peak of each part)."""
-    memory = [part_peak([c], micro, chunks) for c in costs]
-    return {"even": part_sizes(len(costs), nb_part),
+           times: Sequence[float] | None = None, precision: str = "fp32", checkpointing: bool = False,
+           kit: dict | None = None) -> dict[str, list[int]]:
+    """The page's even split (the kit's own plan for the kit's Transformer: Encoder first, Decoder last), and the
+    splits balanced by time (measured `times` per layer where given, else FLOPs) and by memory (each layer's
+    peak)."""
+    memory = [part_peak([c], micro, chunks, precision, checkpointing) for c in costs]
+    even = kit_sizes(kit["nlayers"], nb_part) if kit and kit["nlayers"] >= nb_part else part_sizes(len(costs), nb_part)
+    return {"even": even,
             "time": balanced_sizes(list(times) if times else [c.flops for c in costs], nb_part),
             "memory": balanced_sizes(memory, nb_part)}
 
 
+def memory_lines(parts: Sequence, gib: float | None, gpu: str) -> list[str]:
+    """Each part's estimate (GiB) and its terms, and whether it fits in the GPU's usable memory."""
+    lines = []
+    for m in parts:
+        unit, size = ("GiB", GIB) if m.peak >= GIB else ("MiB", 2 ** 20)  # as kit.memory.format_memory
+        terms = " + ".join(f"{k} {getattr(m, k) / size:.2f}" for k in m.TERMS if getattr(m, k) / size >= 0.005)
+        fits = "" if gib is None else f"; {'fits' if m.total <= gib * GIB else 'does NOT fit'} in {gib:.1f} GiB ({gpu})"
+        lines.append(f"  {m.unit} {m.part} ({m.contents}): {m.total / size:.2f} {unit} = {terms}; peak at "
+                     f"{m.peak_at}{fits}")
+    return lines
+
+
 def table(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
-          times: Sequence[float] | None = None) -> str:
-    """The per-layer figures, then each split with its parts' FLOPs and peaks."""
+          times: Sequence[float] | None = None, estimate: dict | None = None) -> str:
+    """The per-layer figures, then each split with its parts' FLOPs and peaks (estimate: estimate_peaks' keyword
+    arguments, and `gib`, `gpu` for the fit)."""
+    estimate = dict(estimate or {})
+    gib, gpu = estimate.pop("gib", None), estimate.pop("gpu", "")
     lines = [f"{'layer':24s} {'params':>12s} {'MFLOP/sample':>13s} {'out KiB/sample':>15s} "
              f"{'saved KiB/sample fp32 / bf16 / fp16 / ckpt':>44s}  how"]
     for c in costs:
@@ -331,20 +402,25 @@ def table(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
     if times:
         lines.append("measured ms per layer (fwd+bwd of the sample's batch): " + ", ".join(f"{t * 1e3:.2f}"
                                                                                          for t in times))
-    for kind, sizes in splits(costs, nb_part, micro, chunks, times).items():
+    precision, ckpt = estimate.get("precision", "fp32"), estimate.get("checkpointing", False)
+    for kind, sizes in splits(costs, nb_part, micro, chunks, times, precision, ckpt, estimate.get("kit_model")).items():
+        peaks = estimate_peaks(costs, sizes, micro, chunks, **estimate)
         start, parts = 0, []
-        for n in sizes:
+        for n, m in zip(sizes, peaks):
             part = costs[start:start + n]
             parts.append(f"layers {start}-{start + n - 1}: {sum(c.flops for c in part) * micro / 1e9:.3f} GFLOP, "
-                         f"{part_peak(part, micro, chunks) / 2**20:.1f} MiB")
+                         f"{m.total / GIB:.3f} GiB")
             start += n
         lines.append(f"split by {kind:6s} {sizes}: " + " | ".join(parts))
-    lines.append(f"(FLOPs of one micro-batch of {micro}, forward and backward; a first-order peak of each part's GPU: "
-                 f"fp32 weights, AdamW, gradients and DDP's bucket, {chunks} micro-batches' saved tensors)")
+        lines += memory_lines(peaks, gib, gpu)
+    lines.append(f"(FLOPs of one micro-batch of {micro}, forward and backward; the peak of each part's GPU: "
+                 "kit.layer_memory, docs/own_model.md"
+                 + ("; the kit's own Transformer: kit.memory's estimate itself" if estimate.get("kit_model") else "")
+                 + ")")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arguments() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kit.own_model", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="FILE.py:function or module:function returning the layers")
     p.add_argument("--sample", required=True, help="FILE.py:function returning a batch, or token ids BxS, e.g. 32x128")
@@ -353,23 +429,57 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-layers", action="store_true",
                    help="time each layer for real here (a GPU when there is one) and split by time on those times, "
                         "not on FLOPs: run it where the job runs (srun python -m kit.own_model ...)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--zero", action="store_true", help="AdamW's states shared over the replicas")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--layout", choices=("replica", "stage"), default="replica")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="the stage layout's schedule")
+    p.add_argument("--arch", choices=GPUS, default="h100", help="the GPU (its -C feature): its usable memory and "
+                   "kernels")
+    p.add_argument("--gpu-mem", type=float, help="GiB of one GPU, instead of --arch's")
+    p.add_argument("--advise", action="store_true", help="rank the splits of --gpus GPUs for this model")
+    p.add_argument("--gpus", type=int, help="with --advise: the GPUs of the job (nb_part x replicas)")
+    p.add_argument("--global-batch", type=int, help="with --advise: samples a step over all replicas (default: "
+                   "the sample's batch)")
+    p.add_argument("--top", type=int, default=12, help="with --advise: the rows shown")
     p.add_argument("--json", action="store_true", help="the per-layer figures as JSON")
     p.add_argument("--no-cache", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[LayerCost], int]:
+    costs = layer_costs(args.model, args.sample, use_cache=not args.no_cache)
+    batch = sample_batch(args.sample)().shape[0]
+    if not 1 <= args.nb_part <= len(costs):
+        raise ModelError(f"--nb-part {args.nb_part}: the model has {len(costs)} layers; give 1 to {len(costs)}")
+    if args.chunks < 1 or batch % args.chunks:
+        raise ModelError(f"--chunks {args.chunks} must divide the sample's batch of {batch}")
+    if args.advise and not (args.gpus and args.gpus >= 1):
+        raise ModelError("--advise needs --gpus N, the GPUs of the job, e.g. --advise --gpus 8 --arch h100")
+    return costs, batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments().parse_args(argv)
     try:
-        costs = layer_costs(args.model, args.sample, use_cache=not args.no_cache)
-        batch = sample_batch(args.sample)().shape[0]
-        if not 1 <= args.nb_part <= len(costs):
-            raise ModelError(f"--nb-part {args.nb_part}: the model has {len(costs)} layers; give 1 to {len(costs)}")
-        if args.chunks < 1 or batch % args.chunks:
-            raise ModelError(f"--chunks {args.chunks} must divide the sample's batch of {batch}")
+        costs, batch = _checked(args)
     except ModelError as exc:
         print(f"own_model: {exc}", file=sys.stderr)
         return 2
+    gib, gpu, arch = gpu_of(args.arch, args.gpu_mem)
+    kit = kit_model(args.model, args.sample)
+    if args.advise:
+        rows = advise_layers(costs, args.gpus, gib, arch, args.global_batch or batch, kit_model=kit)
+        print(advise_layers_text(rows, args.gpus, gib, gpu, args.global_batch or batch, args.top))
+        return 0 if any(r["fits"] for r in rows) else 1
     times = (layer_times(args.model, args.sample, device="cuda" if torch.cuda.is_available() else "cpu")
              if args.time_layers else None)
+    estimate = dict(precision=args.precision, replicas=args.replicas, zero=args.zero,
+                    checkpointing=args.activation_checkpointing, layout=args.layout, arch=arch,
+                    schedule=args.schedule, kit_model=kit, gib=gib, gpu=gpu)
     print(json.dumps([asdict(c) for c in costs], indent=1) if args.json else
-          table(costs, args.nb_part, batch // args.chunks, args.chunks, times))
+          table(costs, args.nb_part, batch // args.chunks, args.chunks, times, estimate))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The plan the trainers run: the layer split over nb_part (the page's even split when nlayers % nb_part == 0),
 and this task's GPUs (first_part ... last_part, or visible GPU 0 when Slurm binds GPUs per task).
-Owns: part_sizes/split_layers (and balanced_sizes for a user's model) and plan_task. Imports: kit.arguments, kit.findings.
+Owns: part_sizes/split_layers (and balanced_sizes, layer_split for a user's model: --model, --split) and
+plan_task. Imports: kit.arguments, kit.findings.
 """
 from __future__ import annotations
 
@@ -51,6 +52,34 @@ def balanced_sizes(costs: Sequence[float], nb_part: int) -> list[int]:
     return sizes[::-1]
 
 
+SPLITS = ("even", "time", "memory")  # --split: the page's even split, or balanced by FLOPs or by memory
+
+
+def layer_split(nlayers: int, nb_part: int, costs: Sequence[float] | None = None, ends: bool = False) -> list[int]:
+    """Layers per part of a sequence of `nlayers` layers (a user's --model): the one split the trainers run and the
+    checker prints. No `costs`: the page's even split (part_sizes); with `ends` (the kit's own Transformer given
+    through --model: its Encoder first, its Decoder last) the even split is today's plan exactly, the Encoder with
+    the first part, the Decoder with the last and the blocks between by part_sizes. `costs` (a cost per layer: FLOPs
+    for --split time, bytes for --split memory): balanced_sizes."""
+    if costs is not None:
+        return balanced_sizes(list(costs), nb_part)
+    if not ends:
+        return part_sizes(nlayers, nb_part)
+    sizes = part_sizes(nlayers - 2, nb_part)
+    sizes[0] += 1
+    sizes[-1] += 1
+    return sizes
+
+
+def split_contents(sizes: Sequence[int]) -> list[str]:
+    """What each part of a --model split holds, for the checker's table and the trainer's line: 'layers 0-3'."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(f"layer {start}" if n == 1 else f"layers {start}-{start + n - 1}" if n else "(nothing)")
+        start += n
+    return out
+
+
 def split_layers(nlayers: int, nb_part: int) -> list[int]:
     """The part (0 .. nb_part-1) of each of the `nlayers` Layer blocks: contiguous, every layer once.
 
@@ -92,6 +121,7 @@ class TaskPlan:
     nlayers: int
     cpu: bool = False
     visible: int = 0  # GPUs this task sees (CUDA_VISIBLE_DEVICES)
+    own: list[str] | None = None  # a --model's parts (split_contents), instead of the kit's Encoder/Layer/Decoder
 
     @property
     def first_part(self) -> int:
@@ -106,6 +136,8 @@ class TaskPlan:
 
     @property
     def contents(self) -> list[str]:
+        if self.own is not None:
+            return self.own
         return part_contents(self.nlayers, self.nb_part) if self.nb_part else []
 
 

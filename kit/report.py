@@ -56,7 +56,7 @@ class Report:
                 idx = ",".join(map(str, p.devices)) if p.devices else "-"
                 if t.layout == "stage" and t.pp >= 2:  # a GPU per task, holding its stage(s) of a pipeline
                     v = stages_per_rank(t.schedule, t.virtual_stages)
-                    contents = part_contents(t.nlayers or 0, t.pp * v)
+                    contents = p.own or part_contents(t.nlayers or 0, t.pp * v)  # --model: its split
                     ids = [p.rank % t.pp + k * t.pp for k in range(v)]
                     parts = f"{p.device(0) if p.cpu or p.devices else '?'}: " + " | ".join(
                         f"stage {s}: {contents[s]}" for s in ids) + f"  (pipeline {p.rank // t.pp})"

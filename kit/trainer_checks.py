@@ -39,6 +39,12 @@ def check_arguments(t: Training, cpu: bool = False) -> Findings:
     if t.resume and not t.save and t.known("save"):
         findings.error("bad-argument", "--resume continues from the --save file, and no --save was given: add --save "
                        "PATH (the templates use --save NAME.pt --resume), or start from a file with --load PATH")
+    if not t.model_spec and (t.sample is not None or t.split != "even") and t.known("model_spec"):
+        findings.error("bad-argument", "--sample and --split go with --model FILE.py:function (the kit's own "
+                       "Transformer has its own split): add --model, or leave them out")
+    if t.model_spec and t.activation_checkpointing:  # CheckpointedLayer is the kit's Layer block
+        findings.error("bad-argument", "--activation-checkpointing recomputes the kit's Layer blocks: with --model, "
+                       "wrap your own layers in torch.utils.checkpoint and leave it out")
     model = model_args(t, cpu)
     d, h = model["d_model"], model["n_head"]
     if not t.known("d_model", "n_head") or d < 1 or h < 1:
@@ -59,7 +65,7 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
     findings.extend(check_arguments(t, cpu))
     model = model_args(t, cpu)  # the trainer's defaults where the line gives nothing
     nlayers, chunks, batch = model["nlayers"], model["chunks"], model["batch_size"]
-    if nb_part >= 1 and t.known("nlayers", "nb_part"):
+    if nb_part >= 1 and t.known("nlayers", "nb_part") and not t.model_spec:  # --model: kit.own_split's own rule
         if nlayers < nb_part:
             findings.error("nlayers-below-nb-part",
                            f"--nlayers={nlayers} < nb_part={nb_part}: {nb_part - nlayers} GPU(s) of each task would "

@@ -46,6 +46,11 @@ def mlp_sample() -> torch.Tensor:
     return torch.zeros(16, 64)
 
 
+def mlp_large_sample() -> torch.Tensor:
+    """A batch large enough that each part's time (a few ms) stands above the noise of timing it."""
+    return torch.zeros(512, 64)
+
+
 def kit_transformer() -> list[nn.Module]:
     """The kit's own model (bench_ddp_transformer.py's Encoder, Layer, Decoder) at its CPU defaults."""
     import bench_ddp_transformer as bench

@@ -90,7 +90,8 @@ def compare(layout: str, argv: list[str], folder: Path) -> None:
 
 # ---- generated lines ---------------------------------------------------------------------------------------------
 def flags_of(layout: str) -> list[kit.arguments.Arg]:
-    return [a for a in kit.arguments.ARGS if layout in a.layouts and a.group != "mode"]
+    # --model and --sample name files of Python to run: tests/test_own_model_train.py gives them real ones
+    return [a for a in kit.arguments.ARGS if layout in a.layouts and a.group not in ("mode", "own")]
 
 
 SMALL = {"nlayers": (1, 20), "chunks": (1, 12), "batch_size": (1, 96), "nb_part": (1, 6), "pp": (1, 6),

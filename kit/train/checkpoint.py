@@ -189,9 +189,11 @@ def stale_temporaries(target: Path) -> list[Path]:
 def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
     """What a checkpoint must match: the model and how many parts it is cut in (whatever the layout:
     nb_part 2 here and bench_stage.py --pp 2 hold the same parts under the same keys)."""
+    own = getattr(cfg, "model_spec", None)  # --model: its spec and its split (kit.train.own.resolve_model sets both)
     return {"architecture": ARCHITECTURE, "nb_part": nb_part,
             **{a.dest: getattr(cfg, a.dest) for a in kit.arguments.ARGS if a.checkpoint},
-            "part_sizes": kit.plan.part_sizes(cfg.nlayers, nb_part)}
+            "part_sizes": cfg.model_sizes if own else kit.plan.part_sizes(cfg.nlayers, nb_part),
+            **({"model": own} if own else {})}
 
 
 def rng_states(world: int) -> list[dict] | None:
@@ -529,6 +531,11 @@ def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None
         raise RunError(f"--load {path} holds a model of architecture {theirs.get('architecture', 'post-ln/1')} "
                        f"(this kit's is {ARCHITECTURE}: {ARCHITECTURE_CHANGE}); its weights would load and mean "
                        f"something else: start afresh (another --save path), or go on with the kit that saved it")
+    if mine.get("model") != theirs.get("model"):  # another model altogether: its keys and shapes mean nothing here
+        raise RunError(f"--load {path} holds " + (f"the model of --model {theirs['model']}" if theirs.get("model") else
+                       "the kit's own Transformer") + ", not " + (f"--model {mine['model']}" if mine.get("model") else
+                       "the kit's own Transformer") + ": rerun with the model it was saved from, or start afresh "
+                       "(another --save path)")
     if mine != theirs:
         diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
         raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
@@ -546,13 +553,15 @@ def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None
 #   none:    not a setting of the training (files, modes)
 RESUME_RULES: dict[str, str] = {
     **{a.dest: "layout" for a in kit.arguments.ARGS if a.checkpoint}, "nb_part": "layout",
+    # --model: another model's weights, or another cut of them into parts (layout_of's "model" and "part_sizes")
+    "model_spec": "layout", "split": "layout",
     # the Pipe's and the schedule's cut of each batch, the batch (samples_in_epoch keeps the place in the epoch),
     # the precision (autocast; fp16's GradScaler state is restored where both are fp16, else it starts afresh),
     # ZeRO (the optimizer state is saved in plain AdamW's layout and loads either way), the stages per task (their
     # product, nb_part, is the layout), the length of the run, and what only times or watches it
     **dict.fromkeys(("dropout", "chunks", "batch_size", "precision", "activation_checkpointing", "zero", "engine",
                      "devices", "pp", "schedule", "virtual_stages", "epochs", "max_steps", "untimed_steps", "lr",
-                     "lr_warmup", "lr_decay", "tf32",
+                     "lr_warmup", "lr_decay", "tf32", "sample",
                      "workers", "timeout", "log_every"), "applied"),
     # the data order: DistributedSampler shuffles epoch e with seed + e, and a resume continues that order at the
     # saved sample (another seed would train some samples twice and others never in the epoch in progress)

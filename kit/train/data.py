@@ -362,7 +362,8 @@ class BatchTensors(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.as_tensor(idx)
-        return self.x[idx].long(), self.y[idx]
+        x = self.x[idx]  # token ids as int64; a --model's synthetic floats as they are (kit.train.own)
+        return (x if x.is_floating_point() else x.long()), self.y[idx]
 
 
 def make_loader(x: torch.Tensor, y: torch.Tensor, batch: int, replicas: int, rank: int, drop_last: bool,

@@ -2,7 +2,7 @@
 Trainer protocol): epochs, the learning-rate schedule, timed steps without a host sync, evaluation, the agreed stop
 and its checkpoint, the replicas' fingerprint, the end of the run. Owns: the schedule (LR_FLOOR).
 Imports: idr_torch, kit.arguments, kit.memory, kit.train.checkpoint, kit.train.data, kit.train.errors,
-kit.train.launch, kit.train.records, kit.train.setup, kit.train.signals.
+kit.train.launch, kit.train.own, kit.train.records, kit.train.setup, kit.train.signals.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from kit.train.checkpoint import ARCHITECTURE, restore_rng, resume_point, save_p
 from kit.train.data import load_corpus, make_loader
 from kit.train.errors import RunError, log
 from kit.train.launch import HOST_GROUP
+from kit.train.own import SYNTHETIC_LOSS, synthetic_corpus
 from kit.train.records import chance_accuracy, speed_text, throughput, write_record
 from kit.train.setup import cpu_threads
 from kit.train.signals import CTRL_C, PENDING_SIGNALS, hold_stop_signals, interrupt_if_deferred
@@ -139,7 +140,7 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
         f"{launch.num_nodes} node(s), chunks {cfg.chunks}, batch {cfg.batch_size}/replica "
         f"({cfg.batch_size * dp} global)")
     log(f"  {trainer.describe()}")
-    data = load_corpus(cfg, source, world)
+    data = own_data(cfg, trainer) or load_corpus(cfg, source, world)
     train_loader, test_loader = make_loaders(cfg, data, trainer, launch, cuda)
     chance = chance_accuracy(data["test_y"])
     start_epoch, skip, step, state = resume_point(cfg, trainer)  # loaded before DDP wraps the model
@@ -181,6 +182,27 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
             break
     finish(cfg, trainer, launch, history, startup_s, cuda, chance)
     return 0
+
+
+def own_data(cfg: argparse.Namespace, trainer: Trainer) -> dict | None:
+    """A --model run: its split said as the checker says it; the synthetic batches of a model the kit's data does not
+    fit (None: the kit's data), and the one line that says such a run measures speed, not learning."""
+    own = getattr(trainer, "own", None)
+    if own is None:
+        return None
+    log(f"  {own.plan.text()}")
+    if own.kit_data:
+        return None
+    log(f"  --model {own.plan.spec} does not take token ids and return the kit's 2 classes' logits: it runs on "
+        f"synthetic batches shaped like --sample {cfg.sample} with a stand-in loss ({SYNTHETIC_LOSS}); this run "
+        "measures speed, not learning")
+    return synthetic_corpus(cfg, own, trainer.dp_size)
+
+
+def learning_run(trainer: Trainer) -> bool:
+    """Whether the run learns a task (the kit's model, or a --model on the kit's data), or measures speed only."""
+    own = getattr(trainer, "own", None)
+    return own is None or own.learning
 
 
 def check_finite(cfg: argparse.Namespace, ep: Epoch, epoch: int, world: int) -> None:
@@ -319,8 +341,10 @@ def end_of_epoch(cfg: argparse.Namespace, trainer: Trainer, test_loader: torch.u
            "train_acc": ep.stats[1].item() / seen, "test_acc": test_acc, "epoch_time_s": t_end - ep.t_begin,
            "samples_per_s": samples_per_s, "timed_steps": ep.timed_steps, "lr": ep.lr,
            "peak_gpu_mem_gb": peak_gb if cuda else None, "host_rss_gb": rss_gb}
-    log(f"epoch {row['epoch']:3d} | steps {row['steps']:5d} | loss {row['loss']:.4f} | train acc "
-        f"{row['train_acc']:.3f} | test acc {test_acc:.3f} | {row['epoch_time_s']:7.1f}s | "
+    accuracy = (f"train acc {row['train_acc']:.3f} | test acc {test_acc:.3f}" if learning_run(trainer) else
+                "speed only")  # a --model on synthetic batches: its accuracy means nothing
+    log(f"epoch {row['epoch']:3d} | steps {row['steps']:5d} | loss {row['loss']:.4f} | {accuracy} | "
+        f"{row['epoch_time_s']:7.1f}s | "
         + (f"{samples_per_s:9.1f} samples/s" if samples_per_s else "   (too few steps to time)")
         + (f" | peak GPU mem {peak_gb:.2f} GiB" if cuda else "")
         + (f" (estimate {trainer.estimate_gib:.2f})" if cuda and trainer.estimate_gib else "")
@@ -357,12 +381,15 @@ def finish(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, 
     gpu_name = torch.cuda.get_device_name(trainer.stats_device) if cuda else None
     speed = throughput(cfg, trainer, best, gpu_name)
     acc, (chance_acc, margin) = history[-1]["test_acc"], chance
-    learned = acc > chance_acc + margin
+    own = getattr(trainer, "own", None)
+    learning = learning_run(trainer)  # a --model on synthetic batches measures speed only
+    learned = acc > chance_acc + margin if learning else None
     log(f"summary: {trainer.name} layout, {trainer.dp_size} replica(s) x {trainer.nb_part} part(s), chunks "
         f"{cfg.chunks}, batch {cfg.batch_size}/replica: "
         + (f"{best:.1f} samples/s (best epoch){speed_text(speed, gpu_name, cfg)}, " if best else "")
-        + f"final test acc {acc:.3f}, total {total_s:.1f}s")
-    if not learned:
+        + (f"final test acc {acc:.3f}, " if learning else "speed only (synthetic batches), ")
+        + f"total {total_s:.1f}s")
+    if learning and not learned:
         log(f"warning: the model did not learn: final test acc {acc:.3f} is not clearly above chance (the test "
             f"set's majority class is {chance_acc:.3f}; above {chance_acc + margin:.3f} is 3 standard errors clear of "
             f"it). Its speed is real, its result is not: if the loss rose, lower --lr (now {cfg.lr:g}) or raise "
@@ -370,14 +397,17 @@ def finish(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, 
     if cfg.json_out and launch.rank == 0:
         record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, **trainer.record(),
                   "backend": dist.get_backend(), "device": "cuda" if cuda else "cpu",
-                  "gpu_name": gpu_name, **speed, "learned": learned, "chance_acc": chance_acc,
+                  "gpu_name": gpu_name, **speed, "learned": learned, "chance_acc": chance_acc, "learning": learning,
+                  "loss_fn": "cross-entropy" if learning else SYNTHETIC_LOSS, "part_sizes": own and own.plan.sizes,
                   "nodes": launch.num_nodes, "tasks": launch.size, "tasks_per_node": launch.local_world_size,
                   "world_size": launch.size, "replicas": trainer.dp_size, "chunks": cfg.chunks,
                   "batch_size": cfg.batch_size, "global_batch": cfg.batch_size * trainer.dp_size,
-                  **{a.dest: getattr(cfg, a.dest) for a in kit.arguments.ARGS if a.group in ("model", "memory")},
+                  **{a.dest: getattr(cfg, a.dest) for a in kit.arguments.ARGS
+                     if a.group in ("model", "memory", "own")},
                   "architecture": ARCHITECTURE, "lr": cfg.lr, "lr_warmup": cfg.lr_warmup, "lr_decay": cfg.lr_decay,
                   "untimed_steps": cfg.untimed_steps,
-                  "data": "synthetic" if cfg.synthetic else "imdb", "job_id": launch.job_id,
+                  "data": "synthetic" if cfg.synthetic else "imdb",
+                  **({} if learning else {"data": "synthetic batches shaped like --sample"}), "job_id": launch.job_id,
                   "samples_per_s": best, "epoch_time_s": history[-1]["epoch_time_s"],
                   "peak_gpu_mem_gb": history[-1]["peak_gpu_mem_gb"], "host_rss_gb": history[-1]["host_rss_gb"],
                   "test_acc": history[-1]["test_acc"], "replica_divergence": gap, "plans": plans,

@@ -100,18 +100,22 @@ def training_of(cfg: argparse.Namespace, **layout: object) -> kit.arguments.Trai
     return dataclasses.replace(t, **layout)
 
 
+def device_arch(plan: kit.plan.TaskPlan) -> tuple[str, float | None]:
+    """The memory model's kernels for this task's first GPU (kit.memory.ARCHS) and its memory in GiB; the CPU's."""
+    if plan.cpu:
+        return "cpu", None
+    device = plan.device(0)
+    return (kit.memory.arch_of(torch.cuda.get_device_capability(device)),
+            torch.cuda.get_device_properties(device).total_memory / kit.memory.GIB)
+
+
 def memory_estimate(cfg: argparse.Namespace, plan: kit.plan.TaskPlan, nb_part: int, replicas: int,
                     **layout: object) -> tuple[str, float]:
     """check_topology's estimate of one GPU's peak for this run (nb_part is --pp in the stage layout): the start-up
     line and the worst GPU's GiB, with the kernels this device runs (kit.memory.ARCHS), against its memory."""
     t = training_of(cfg, **layout)
     model = kit.arguments.model_args(t)
-    if plan.cpu:
-        arch, gpu_gib = "cpu", None
-    else:
-        device = plan.device(0)
-        arch = kit.memory.arch_of(torch.cuda.get_device_capability(device))
-        gpu_gib = torch.cuda.get_device_properties(device).total_memory / kit.memory.GIB
+    arch, gpu_gib = device_arch(plan)
     release = kit.releases.version_tuple(torch.__version__)
     line = kit.memory.memory_line(model, t, nb_part, replicas, gpu_gib, arch, release)
     return line, kit.memory.worst_part(model, t, nb_part, replicas, arch, release).total / kit.memory.GIB

@@ -36,7 +36,9 @@ def throughput(cfg: argparse.Namespace, trainer: Trainer, samples_per_s: float |
     """The distance to the physical limit: the model's FLOPs per sample (kit.speed.flops_per_sample), the
     TFLOP/s the run reached (all its GPUs, and per GPU), and on a GPU the share of that GPU's dense peak for the
     precision its matmuls run in (kit.speed.PEAK_TFLOPS)."""
-    fps = kit.speed.flops_per_sample({k: getattr(cfg, k) for k in ("d_model", "d_hid", "seq_len", "nlayers")})
+    own = getattr(trainer, "own", None)  # --model: its layers' FLOPs as counted by kit.own_model
+    fps = own.plan.flops_per_sample if own else kit.speed.flops_per_sample(
+        {k: getattr(cfg, k) for k in ("d_model", "d_hid", "seq_len", "nlayers")})
     gpus = trainer.record().get("gpus") or 1
     tflops = fps * samples_per_s / 1e12 if samples_per_s else None
     peak = kit.speed.peak_tflops(gpu_name, cfg.precision, cfg.tf32) if gpu_name else None
