@@ -153,6 +153,15 @@ def use_site(job: Job, choice: str) -> str:
             + (" (Slurm does not answer here)" if choice == "auto" else ""))
 
 
+def advise(args: argparse.Namespace, training: Training) -> int:
+    """--advise: the kit's Transformer's splits (kit.advise), or with --model the user's layers' (kit.own_model:
+    torch, in this mode only)."""
+    if training.model_spec:
+        from kit.own_model import checker_advise
+        return checker_advise(args, training)
+    return advise_main(args, training)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--gpu-mem {args.gpu_mem:g} must be a positive number of GiB, e.g. --gpu-mem 32")
         planning_counts(args)
         if args.advise:
-            return advise_main(args, override(args, training))
+            return advise(args, override(args, training))
         planning = any(getattr(args, k) is not None for k in PLANNING)
         if args.sbatch_file:
             if planning:

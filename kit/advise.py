@@ -112,8 +112,9 @@ def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str,
     return "\n".join(lines)
 
 
-def advise_main(args: argparse.Namespace, t: Training) -> int:
-    """--advise: every split that fits, from planning flags alone; with --profile ranked by predicted speed."""
+def advise_request(args: argparse.Namespace) -> tuple[Job, int, float, str, list[int]]:
+    """--advise's request, checked: the job (nodes, GPUs a node, GPU memory and its source) and the global batches;
+    one UsageError naming what is missing."""
     job = Job(nodes=args.nodes, gpus_per_node=args.gpus_per_node, constraint=args.constraint,
               partition=args.partition, gpu_mem=args.gpu_mem)
     ntype = node_type(job)
@@ -130,6 +131,13 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
         raise UsageError(f"--nodes ({job.nodes}) and --gpus-per-node ({gpn}) must be at least 1")
     if args.top is not None and args.top < 1:
         raise UsageError(f"--top {args.top} must be at least 1, e.g. --top 3")
+    return job, gpn, gib, source, batches
+
+
+def advise_main(args: argparse.Namespace, t: Training) -> int:
+    """--advise: every split that fits, from planning flags alone; with --profile ranked by predicted speed."""
+    job, gpn, gib, source, batches = advise_request(args)
+    ntype = node_type(job)
     profile = None
     if args.profile:
         try:
@@ -287,10 +295,11 @@ def _layer_row(costs: list, sizes: list[int], split: str, micro: int, chunks: in
 
 def advise_layers_text(rows: list[dict], gpus: int, gib: float, source: str, global_batch: int,
                        top: int | None = None) -> str:
-    """kit.own_model --advise: the rows, the same columns as check_topology --advise's, with the split."""
+    """--advise for a --model (python -m kit.own_model, check_topology): the same columns as check_topology
+    --advise's, with the split."""
     fit = sum(r["fits"] for r in rows)
     shown = rows[:top] if top else rows
-    lines = [f"own_model --advise: {gpus} GPU(s) of {gib:.1f} GiB ({source}), global batch {global_batch}: "
+    lines = [f"--advise for --model: {gpus} GPU(s) of {gib:.1f} GiB ({source}), global batch {global_batch}: "
              f"{len(rows)} split(s), {fit} fit, {len(shown)} shown; those that fit first, fastest first by the "
              "slowest part's FLOPs with the bubble (a proxy: relative samples/s, 1 = the best that fits; no profile "
              "of this model), each with the first option that fits (fp32, --zero, low precision, checkpointing)",

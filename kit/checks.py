@@ -12,7 +12,7 @@ from dataclasses import replace
 from kit.arguments import CPU_DEFAULTS, GPU_DEFAULTS, TRAINERS, Training, model_args
 from kit.findings import Findings, UsageError
 from kit.jobscript import LaunchLine, apply_step, workers_of
-from kit.memory import (GIB, estimate_memory, estimate_stage_memory, format_memory, memory_fixes, requested_arch,
+from kit.memory import (GIB, NotEstimated, estimate_memory, estimate_stage_memory, format_memory, memory_fixes, requested_arch,
     shared_gpu_memory)
 from kit.placement import allocation_tasks, gpu_view, packing, step_gpus_per_node, step_placement
 from kit.plan import TaskPlan, page_indexing, plan_task
@@ -595,8 +595,8 @@ def check_memory(job: "Job", t: "Training", nb_part: int, replicas: int, tpn: in
         else:
             parts = (estimate_stage_memory(model, t, nb_part, replicas, arch, torch=torch_version_of(job.torch_module))
                      if stage else estimate_memory(model, t, nb_part, replicas, arch))
-    except ValueError:
-        return None  # chunks/batch/schedule already reported by check_training and check_stage
+    except ValueError as exc:  # chunks/batch/schedule already reported by check_training and check_stage
+        return f"memory estimate: none, {exc}" if isinstance(exc, NotEstimated) else None
     worst = max(parts, key=lambda m: m.total)
     line = format_memory(parts, gib) + f" ({source})"
     shared = shared_gpu_memory(parts, t.devices)

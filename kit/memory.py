@@ -89,6 +89,10 @@ def requested_arch(v100: bool) -> tuple[str, str]:
     return arch, "bf16" if arch == "sm80" else "fp16"
 
 
+class NotEstimated(ValueError):
+    """A split the memory model does not cover (said as such: no figure rather than a wrong one)."""
+
+
 @dataclass
 class PartMemory:
     """Bytes one GPU (a part of a replica, or a task of the stage layout) holds at the peak of a training step."""

@@ -12,8 +12,8 @@ real CPU forward on batches of one and two, and said. Results are cached by the 
 Then the split: the page's even one, and the one balanced by FLOPs or by memory (kit.plan.balanced_sizes); each
 part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer, recognised, is kit.memory's
 estimate itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers).
-Owns: LayerCost and the measurement. Imports: kit.advise, kit.arguments, kit.layer_memory, kit.memory, kit.plan,
-kit.train.errors, kit.train.options (torch: only in this mode, never on the checker's plain path).
+Owns: LayerCost and the measurement. Imports: kit.advise, kit.arguments, kit.findings, kit.layer_memory, kit.memory,
+kit.plan, kit.site, kit.train.errors, kit.train.options (torch: only in this mode, never on the checker's plain path).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from kit.advise import GPUS, advise_layers, advise_layers_text, gpu_of
-from kit.arguments import PRECISIONS
+from kit.arguments import PRECISIONS, model_args
 from kit.layer_memory import estimate_peaks, kit_sizes
 from kit.memory import GIB
 from kit.plan import balanced_sizes, part_sizes
@@ -304,10 +304,16 @@ def cache_path(spec: str, sample: str, source: str) -> Path:
 
 
 def layer_costs(spec: str, sample: str, use_cache: bool = True) -> list[LayerCost]:
-    """measure(), cached by the model's source, the sample and the torch release (a changed file is measured again)."""
-    _, source = build_layers(spec)
+    """measure(), cached by the model's source, what it builds, the sample and the torch release: a changed file is
+    measured again, and so is a model whose layers changed through a file it imports (the layers' types, parameter
+    and buffer shapes are in the key, built on the meta device: no memory)."""
+    layers, source = build_layers(spec)
+    source += "".join(repr(layer) + repr([(n, tuple(t.shape), str(t.dtype)) for n, t in
+                                          [*layer.named_parameters(), *layer.named_buffers()]]) for layer in layers)
     if not re.fullmatch(r"\d+(x\d+)*", sample):
         source += source_text(load_callable(sample, "--sample"), sample)
+        x = sample_batch(sample)()
+        source += repr((tuple(x.shape), str(x.dtype)))
     path = cache_path(spec, sample, source)
     if use_cache and path.is_file():
         try:
@@ -458,6 +464,28 @@ def _checked(args: argparse.Namespace) -> tuple[list[LayerCost], int]:
     if args.advise and not (args.gpus and args.gpus >= 1):
         raise ModelError("--advise needs --gpus N, the GPUs of the job, e.g. --advise --gpus 8 --arch h100")
     return costs, batch
+
+
+def checker_advise(args: argparse.Namespace, t: "Training") -> int:
+    """check_topology --advise with --model: advise_layers on the user's layers (not the kit's Transformer's splits),
+    for each --global-batch, on the request kit.advise checks; a model that cannot be measured is one line (exit 2)."""
+    from kit.advise import advise_request
+    from kit.findings import UsageError
+    from kit.memory import requested_arch
+    from kit.site import is_v100
+    if args.profile:
+        raise UsageError("--profile is a profile of the kit's own Transformer: with --model, --advise ranks the splits "
+                         "by FLOPs (python -m kit.own_model --time-layers measures your layers' times); leave it out")
+    job, gpn, gib, source, batches = advise_request(args)
+    sample = t.sample or f"{max(batches)}x{model_args(t)['seq_len']}"
+    try:
+        costs, kit = layer_costs(t.model_spec, sample), kit_model(t.model_spec, sample)
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
+    for batch in batches:
+        rows = advise_layers(costs, job.nodes * gpn, gib, requested_arch(is_v100(job))[0], batch, kit_model=kit)
+        print(advise_layers_text(rows, job.nodes * gpn, gib, source, batch, args.top))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

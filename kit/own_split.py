@@ -3,7 +3,7 @@
 --split even|time|memory), said in one line that the checker prints and the trainer logs, so that what the checker
 approves is what runs. torch is imported here only in model mode (kit.own_model, lazily): the checker's plain path
 stays free of it. Owns: ModelPlan, plan_model, the checker's --model note, its memory estimate and fixes. Imports:
-kit.arguments, kit.layer_memory, kit.memory, kit.own_model, kit.plan.
+kit.arguments, kit.layer_memory, kit.memory, kit.own_model, kit.plan, kit.trainer_checks.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from typing import Sequence
 
 from kit.arguments import Training, model_args
 from kit.layer_memory import estimate_peaks
-from kit.memory import GIB, PartMemory
+from kit.memory import GIB, NotEstimated, PartMemory
 from kit.plan import layer_split, split_contents
+from kit.trainer_checks import stages_per_rank
 
 
 @dataclass
@@ -114,6 +115,9 @@ def checker_note(t: Training, nb_part: int, cpu: bool) -> tuple[ModelPlan, str]:
 def own_memory(t: Training, nb_part: int, replicas: int, arch: str, cpu: bool = False) -> list[PartMemory]:
     """The per-GPU peak of each part (stage) of the line's --model split, with kit.memory's terms
     (kit.layer_memory.estimate_peaks; the kit's own Transformer is kit.memory's estimate itself)."""
+    if t.layout == "stage" and stages_per_rank(t.schedule, t.virtual_stages) > 1:
+        raise NotEstimated(f"--schedule {t.schedule} puts {t.virtual_stages} stages of a --model on each task, which "
+                           "its estimate does not model yet (one stage a task: --schedule gpipe or 1f1b)")
     plan = line_plan(t, nb_part, cpu)
     model = model_args(t, cpu)
     return estimate_peaks(plan.costs, plan.sizes, max(1, model["batch_size"] // model["chunks"]), model["chunks"],

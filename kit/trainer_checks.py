@@ -42,9 +42,8 @@ def check_arguments(t: Training, cpu: bool = False) -> Findings:
     if not t.model_spec and (t.sample is not None or t.split != "even") and t.known("model_spec"):
         findings.error("bad-argument", "--sample and --split go with --model FILE.py:function (the kit's own "
                        "Transformer has its own split): add --model, or leave them out")
-    if t.model_spec and t.activation_checkpointing:  # CheckpointedLayer is the kit's Layer block
-        findings.error("bad-argument", "--activation-checkpointing recomputes the kit's Layer blocks: with --model, "
-                       "wrap your own layers in torch.utils.checkpoint and leave it out")
+    if t.model_spec:
+        return findings  # the d_model / n_head rules below are the kit's Transformer's, not a --model's
     model = model_args(t, cpu)
     d, h = model["d_model"], model["n_head"]
     if not t.known("d_model", "n_head") or d < 1 or h < 1:

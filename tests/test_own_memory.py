@@ -160,10 +160,28 @@ def test_the_command_prints_each_parts_estimate_and_advises():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("own_model --advise: 4 GPU(s) of 79.6 GiB (h100") and len(lines) == 5, r.stdout
+    assert lines[0].startswith("--advise for --model: 4 GPU(s) of 79.6 GiB (h100") and len(lines) == 5, r.stdout
     r = subprocess.run([sys.executable, "-m", "kit.own_model", "--model", MLP[0], "--sample", MLP[1], "--advise"],
                        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--advise needs --gpus N" in r.stderr
+
+
+def test_the_checkers_advise_ranks_the_users_model_not_the_kits():
+    """check_topology --advise with --model: the same table as kit.own_model's (the user's layers, their splits),
+    not the kit's Transformer's; --profile (a profile of the kit's model) is refused with it in one line."""
+    flags = ["--advise", "--nodes", "1", "--gpus-per-node", "4", "-C", "h100", "--global-batch", "16", "--model",
+             MLP[0], "--sample", MLP[1]]
+    r = subprocess.run([sys.executable, "check_topology.py", *flags, "--top", "3"], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    gib = float(r.stdout.split(" GPU(s) of ")[1].split()[0])  # the H100's usable memory, as the checker reads -C
+    expected = kit.advise.advise_layers(own.layer_costs(*MLP), 4, gib, "sm80", 16)
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("--advise for --model: 4 GPU(s) of ") and len(lines) == 5, r.stdout
+    assert str(expected[0]["sizes"]) in lines[2] and "Layer" not in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "check_topology.py", *flags, "--profile", "p.json"], cwd=ROOT,
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--profile is a profile of the kit's own Transformer" in r.stderr, r.stderr
 
 
 def test_part_peak_is_the_estimate():

@@ -125,6 +125,21 @@ def test_the_measure_is_cached_by_the_models_source(tmp_path, monkeypatch):
     assert own.layer_costs(f"{f}:layers", "3x4")[1].params == 27
 
 
+def test_a_model_changed_through_a_file_it_imports_is_measured_again(tmp_path, monkeypatch):
+    """The model file unchanged, the helper it imports changed (the number of layers, a width): the key holds what the
+    function builds, so the figures are the new model's, never the old one's from the cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "width_helper_34.py").write_text("N, W = 2, 16\n")
+    f = tmp_path / "m.py"
+    f.write_text("import torch.nn as nn\nimport width_helper_34 as h\n"
+                 "def layers():\n    return [nn.Linear(4, h.W), *(nn.Linear(h.W, h.W) for _ in range(h.N))]\n")
+    assert [c.params for c in own.layer_costs(f"{f}:layers", "3x4")] == [80, 272, 272]
+    (tmp_path / "width_helper_34.py").write_text("N, W = 3, 32\n")
+    monkeypatch.delitem(sys.modules, "width_helper_34")  # a new process would import it afresh
+    assert [c.params for c in own.layer_costs(f"{f}:layers", "3x4")] == [160, 1056, 1056, 1056]
+
+
 def test_the_table_shows_the_even_and_the_balanced_splits():
     r = subprocess.run([sys.executable, "-m", "kit.own_model", "--model", MODELS["mlp"][0], "--sample",
                         MODELS["mlp"][1], "--nb-part", "3", "--chunks", "4"], cwd=ROOT, env=clean_env(),

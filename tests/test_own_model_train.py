@@ -131,6 +131,27 @@ def test_the_checker_prints_the_split_the_trainer_runs(tmp_path):
     assert again.returncode == 0 and "--split even" in again.stdout, again.stdout + again.stderr
 
 
+def test_activation_checkpointing_of_the_users_layers_changes_memory_not_the_run(tmp_path):
+    """--activation-checkpointing with --model recomputes each user layer in the backward (kit.train.own
+    .recompute_in_backward): the same losses as without it, in both layouts; the saved file (the page's state_dict)
+    has the plain model's keys."""
+    args = [*MODELS["mlp"][0], *SHORT, "--max-steps", "3", "--cache-dir", str(tmp_path)]
+    losses = {}
+    for layout, extra in (("replica", ["--nb-part", "2"]), ("stage", ["--pp", "2", "--schedule", "gpipe"])):
+        for ckpt in (False, True):
+            save = tmp_path / f"{layout}{ckpt}.pt"
+            script = "bench_stage.py" if layout == "stage" else "bench_ddp_transformer.py"
+            runs = bench([*args, *extra, "--save", str(save), *(["--activation-checkpointing"] * ckpt)],
+                         ntasks=2 if layout == "stage" else 1, script=script)
+            assert all(r.returncode == 0 for r in runs), runs[0].stderr[-3000:]
+            losses[layout, ckpt] = [x.split("| loss ")[1].split()[0] for x in runs[0].stdout.splitlines()
+                                    if "| loss " in x]
+        assert losses[layout, True] == losses[layout, False] and losses[layout, True], losses
+    plain = torch.load(tmp_path / "replicaFalse.pt", map_location="cpu", weights_only=False)
+    recomputed = torch.load(tmp_path / "replicaTrue.pt", map_location="cpu", weights_only=False)
+    assert list(plain) == list(recomputed) and all(plain[k].shape == recomputed[k].shape for k in plain)  # the page's file
+
+
 def test_the_checker_estimates_the_users_model_and_refuses_what_does_not_fit(tmp_path):
     """On V100 16 GB nodes (-C v100-16g), the checker estimates each GPU of the --model split with kit.memory's terms
     (kit.own_split.own_memory), says it, and refuses a batch whose activations do not fit, with fixes each

@@ -3,8 +3,8 @@ plan, the checker's own), built for real and cut by that split into parts (kit.t
 part) for either layout; the data and the loss: a model that takes token ids (--sample BxS) and returns the kit's
 2 classes' logits trains on the kit's data and reports accuracy, any other one runs on synthetic batches drawn like
 --sample with a stand-in loss, and the run says it measures speed, not learning.
-Owns: OwnModel, resolve_model, own_parts, the synthetic batches and loss. Imports: kit.arguments, kit.memory,
-kit.own_model, kit.own_split, kit.plan, kit.train.errors, kit.train.options.
+Owns: OwnModel, resolve_model, own_parts (and their checkpointing), the synthetic batches and loss.
+Imports: kit.arguments, kit.memory, kit.own_model, kit.own_split, kit.plan, kit.train.errors, kit.train.options.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import kit.arguments
 import kit.memory
@@ -61,10 +62,24 @@ def resolve_model(cfg: argparse.Namespace, nb_part: int) -> OwnModel | None:
     kit_data = is_token_ids(cfg.sample) and shapes is not None and shapes[-1] == [NCLASSES]
     if kit_data:
         cfg.seq_len = x.shape[1]  # the reviews are cut to the length the model takes
+        check_vocabulary(cfg)
     cfg.nlayers, cfg.model_sizes = len(plan.names), plan.sizes  # the checkpoint's layout (layout_of)
     if not kit_data and not cfg.synthetic:  # no review is read (data_source would look for IMDB and say it found none)
         cfg.synthetic = SYNTHETIC_STEPS * cfg.batch_size
     return OwnModel(plan, list(x.shape[1:]), x.dtype, shapes, kit_data)
+
+
+def check_vocabulary(cfg: argparse.Namespace) -> None:
+    """The kit's data gives token ids below --vocab-size: a first embedding with fewer rows would fail at the first
+    step (an index error on the CPU, a device-side assert on a GPU). Said before any process group, with the fix."""
+    from kit import own_model
+    layers, _ = own_model.build_layers(cfg.model_spec, device="meta")
+    rows = next((m.num_embeddings for m in layers[0].modules() if isinstance(m, nn.Embedding)), None)
+    if rows is not None and rows < cfg.vocab_size:
+        raise kit.arguments.ArgumentError(
+            f"--model {cfg.model_spec}: its first embedding has {rows} rows but the kit's data gives token ids up to "
+            f"--vocab-size {cfg.vocab_size}; add --vocab-size {rows} (or build the embedding with "
+            f"{cfg.vocab_size} rows)")
 
 
 def meta_shapes(spec: str, x: torch.Tensor) -> list[list[int]] | None:
@@ -90,6 +105,12 @@ def own_parts(cfg: argparse.Namespace, plan: kit.plan.TaskPlan, own: OwnModel) -
         torch.backends.mha.set_fastpath_enabled(False)
     from kit import own_model
     layers, _ = own_model.build_layers(own.plan.spec, device="cpu")
+    if len(layers) != sum(own.plan.sizes):  # the model changed between the plan and now (a file edited meanwhile)
+        raise RunError(f"--model {own.plan.spec} built {len(layers)} layers here but {sum(own.plan.sizes)} when it was "
+                       "planned: the model changed during start-up; start again")
+    if cfg.activation_checkpointing:  # the kit's own model: its Layer blocks only, as CheckpointedLayer does
+        for layer in layers[1:-1] if own.plan.kit_ends else layers:
+            recompute_in_backward(layer)
     parts, start = [], 0
     for p, n in enumerate(own.plan.sizes):
         parts.append(Part(*layers[start:start + n], precision=cfg.precision).to(plan.device(p)))
@@ -97,14 +118,32 @@ def own_parts(cfg: argparse.Namespace, plan: kit.plan.TaskPlan, own: OwnModel) -
     return parts
 
 
+def recompute_in_backward(layer: nn.Module) -> None:
+    """--activation-checkpointing for a user's layer: it keeps only its input for the backward and recomputes the
+    rest there, as the kit's CheckpointedLayer (kit.train.options: non-reentrant torch.utils.checkpoint, which DDP
+    supports, and the Pipe's own checkpoint= stays "never"). The layer's forward is replaced on the instance, not
+    wrapped: the state_dict keys stay those of the plain model, so checkpoints move between the two."""
+    plain = layer.forward
+
+    def forward(*args: object, **kwargs: object) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
+            return plain(*args, **kwargs)
+        return checkpoint(plain, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = forward
+
+
 def own_memory_estimate(cfg: argparse.Namespace, plan: kit.plan.TaskPlan, nb_part: int, replicas: int,
-                        **layout: object) -> tuple[str, float]:
+                        **layout: object) -> tuple[str, float | None]:
     """The checker's estimate of one GPU's peak for this --model run (kit.own_split.own_memory: the layers' figures
     composed with kit.memory's terms), with this device's kernels: the start-up line and the worst GPU's GiB."""
     from kit.own_split import own_memory
     arch, gpu_gib = device_arch(plan)
     t = training_of(cfg, **layout)
-    parts = own_memory(t, nb_part, replicas, arch, cpu=plan.cpu)
+    try:
+        parts = own_memory(t, nb_part, replicas, arch, cpu=plan.cpu)
+    except kit.memory.NotEstimated as exc:
+        return f"memory estimate: none, {exc}", None
     return (kit.memory.format_memory(parts, gpu_gib) + f" ({arch} kernels)",
             max(p.total for p in parts) / kit.memory.GIB)
 
