@@ -64,3 +64,13 @@ def kit_transformer() -> list[nn.Module]:
 
 def not_a_sequence() -> nn.Module:
     return nn.Linear(4, 4)
+
+
+class MeanOverPositions(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def small_vocabulary() -> list[nn.Module]:
+    """A token-id classifier of the kit's task whose embedding has 500 rows (the kit's data: --vocab-size ids)."""
+    return [nn.Sequential(nn.Embedding(500, 32), MeanOverPositions()), nn.Linear(32, 32), nn.Linear(32, 2)]

@@ -211,3 +211,29 @@ def test_a_model_that_cannot_run_is_refused_up_front(tmp_path, case):
                            timeout=120)
     assert check.returncode == 2 and needle in check.stderr and len(check.stderr.strip().splitlines()) == 1, (
         check.stdout + check.stderr)
+
+
+def test_a_token_model_whose_embedding_is_smaller_than_the_vocabulary_is_refused_up_front(tmp_path):
+    """The kit's data gives ids below --vocab-size: an embedding of 500 rows would fail at the first step (an index
+    error here, a device-side assert on a GPU); refused before any process group, the fix named; with it, it runs."""
+    args = ["--model", f"{ZOO}:small_vocabulary", "--sample", "8x16", *SHORT, "--nb-part", "2",
+            "--cache-dir", str(tmp_path)]
+    runs = bench(args, ntasks=2, timeout=90)
+    assert [r.returncode for r in runs] == [2, 2], runs[0].stderr
+    assert "its first embedding has 500 rows" in runs[0].stderr and "add --vocab-size 500" in runs[0].stderr
+    [run] = bench([*args, "--vocab-size", "500"])
+    assert run.returncode == 0 and "final test acc" in run.stdout, run.stderr[-2000:]
+
+
+def test_multi_stage_schedules_get_no_estimate_rather_than_a_wrong_one(tmp_path):
+    """interleaved1f1b puts two stages of the split on each task, which the --model estimate does not model: the
+    checker says "memory estimate: none" and why, never the one-stage figure."""
+    copy_kit(tmp_path, extra=(ZOO,))
+    (tmp_path / "job.slurm").write_text(
+        "#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node=4 --gres=gpu:4 -c 10 --hint=nomultithread -t 1:00:00 -C h100\n"
+        f"module load pytorch-gpu/py3/{'.'.join(map(str, TORCH))}.0\nsrun python bench_stage.py "
+        f"{' '.join(MODELS['mlp'][0])} --pp 2 --schedule interleaved1f1b --virtual-stages 2 --batch-size 16\n")
+    r = subprocess.run([sys.executable, "check_topology.py", "job.slurm"], cwd=tmp_path, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert "memory estimate: none, --schedule interleaved1f1b puts 2 stages" in r.stdout, r.stdout + r.stderr
+    assert "GiB of" not in r.stdout, r.stdout
