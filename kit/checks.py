@@ -138,6 +138,13 @@ def own_model_split(report: Report, nb_part: int, cpu: bool) -> None:
     t = report.training
     if not t.model_spec or nb_part < 1 or not t.known("model_spec", "sample", "split", "nb_part", "pp"):
         return
+    ignored = [k for k in ("d_model", "n_head", "d_hid", "dropout") if k in t.model]
+    ignored += ["nlayers"] * (t.nlayers is not None)
+    if ignored:  # the line's own values (the checker's Training holds only those): the kit's Transformer's shape
+        report.findings.warn("ignored-with-model", f"{', '.join('--' + k.replace('_', '-') for k in ignored)} shape "
+                             f"the kit's own Transformer: with --model {t.model_spec} your function builds the layers, "
+                             "so the trainer ignores them; leave them out (--seq-len and --vocab-size still shape the "
+                             "kit's data)")
     from kit.own_model import ModelError  # model mode: torch from here on
     from kit.own_split import checker_note
     try:

@@ -141,6 +141,8 @@ CATCHES = {
     "does-not-fit": ("error", "a GPU's estimated peak memory (a part of a replica, a task of a pipeline) "
                               "above its own"),
     "memory-tight": ("warning", "a GPU's estimated peak memory above 90 % of its own"),
+    "ignored-with-model": ("warning", "the kit's Transformer's options (--nlayers, --d-model ...) on a line with "
+                           "--model, which builds its own layers"),
     "bf16-on-v100": ("error", "--precision bf16 on V100 GPUs, which have no bf16"),
     "tf32-on-v100": ("warning", "--tf32 on V100 GPUs, which have no TF32 units: fp32 matmuls as without it"),
     "fp16-stage": ("error", "--precision fp16 in the stage layout, whose schedules leave no place for a GradScaler"),

@@ -270,6 +270,7 @@ NOT_IN_CORPUS = {
     "ntasks-below-nodes": "test_placement_measured", "step-nodes": "test_placement_measured",
     "srun-ntasks-per-node-conflict": "test_placement_measured",
     "does-not-fit": "tests/test_memory.py", "memory-tight": "tests/test_memory.py",
+    "ignored-with-model": "tests/test_own_model_train.py",
     "bf16-on-v100": "tests/test_memory.py", "tf32-on-v100": "tests/test_gpu_truth.py",
     "fp16-stage": "tests/test_options.py",
     "partition-unknown": "tests/test_site_live.py (--site live on the local cluster: the table knows no other site)",

@@ -237,3 +237,17 @@ def test_multi_stage_schedules_get_no_estimate_rather_than_a_wrong_one(tmp_path)
                        capture_output=True, text=True, timeout=120)
     assert "memory estimate: none, --schedule interleaved1f1b puts 2 stages" in r.stdout, r.stdout + r.stderr
     assert "GiB of" not in r.stdout, r.stdout
+
+
+def test_the_kits_model_options_given_with_model_are_said_to_be_ignored(tmp_path):
+    """--nlayers, --d-model ... describe the kit's Transformer: on a line with --model the trainer builds the user's
+    layers and ignores them; the checker says so (a warning naming them), and the split is the user's model's."""
+    copy_kit(tmp_path, extra=(ZOO,))
+    line = [*MODELS["conv"][0], "--nlayers", "12", "--d-model", "256", "--batch-size", "16"]
+    (tmp_path / "job.slurm").write_text(JOB.format(args=" ".join(line)))
+    r = subprocess.run([sys.executable, "check_topology.py", "job.slurm"], cwd=tmp_path, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [warning] = [x for x in r.stdout.splitlines() if "ignored-with-model" in x]
+    assert "--d-model, --nlayers shape the kit's own Transformer" in warning, warning
+    assert "6 layers, --split even, sizes [3, 3]" in r.stdout, r.stdout
