@@ -109,14 +109,19 @@ JOB = ("#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node=2 --gres=gpu:4 -c 10 --hint=
        "srun python bench_ddp_transformer.py {args}\n")
 
 
+def check_job(folder: Path, line: list[str], job: str = JOB) -> subprocess.CompletedProcess:
+    """The checker on a job script (in a user's copy of the kit) whose trainer line is `line`."""
+    (folder / "job.slurm").write_text(job.format(args=" ".join(line)))
+    return subprocess.run([sys.executable, "check_topology.py", "job.slurm"], cwd=folder, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_the_checker_prints_the_split_the_trainer_runs(tmp_path):
     """A user's copy of the kit and of their model file: the checker approves the job script's trainer line with
     --model and prints the split; the trainer, on the same line, logs the same split."""
     copy_kit(tmp_path, extra=(ZOO,))
     line = [*MODELS["mlp"][0], "--split", "memory", "--batch-size", "16", "--chunks", "4"]
-    (tmp_path / "job.slurm").write_text(JOB.format(args=" ".join(line)))
-    check = subprocess.run([sys.executable, "check_topology.py", "job.slurm"], cwd=tmp_path, env=clean_env(),
-                           capture_output=True, text=True, timeout=120)
+    check = check_job(tmp_path, line)
     assert check.returncode == 0, check.stdout + check.stderr
     [note] = [x.strip()[len("note: "):] for x in check.stdout.splitlines() if x.strip().startswith("note: --model")]
     printed = note.split("; memory estimate")[0]
@@ -160,10 +165,8 @@ def test_the_checker_estimates_the_users_model_and_refuses_what_does_not_fit(tmp
     job = JOB.replace("-t 1:00:00", "-t 1:00:00 -C v100-16g")
 
     def check(batch: int) -> subprocess.CompletedProcess:
-        line = [*MODELS["conv"][0], "--batch-size", str(batch), "--chunks", "4", "--precision", "fp16"]
-        (tmp_path / "job.slurm").write_text(job.format(args=" ".join(line)))
-        return subprocess.run([sys.executable, "check_topology.py", "job.slurm"], cwd=tmp_path, env=clean_env(),
-                              capture_output=True, text=True, timeout=120)
+        return check_job(tmp_path, [*MODELS["conv"][0], "--batch-size", str(batch), "--chunks", "4", "--precision",
+                                    "fp16"], job)
 
     import kit.own_split
     small = check(64)
@@ -243,10 +246,7 @@ def test_the_kits_model_options_given_with_model_are_said_to_be_ignored(tmp_path
     """--nlayers, --d-model ... describe the kit's Transformer: on a line with --model the trainer builds the user's
     layers and ignores them; the checker says so (a warning naming them), and the split is the user's model's."""
     copy_kit(tmp_path, extra=(ZOO,))
-    line = [*MODELS["conv"][0], "--nlayers", "12", "--d-model", "256", "--batch-size", "16"]
-    (tmp_path / "job.slurm").write_text(JOB.format(args=" ".join(line)))
-    r = subprocess.run([sys.executable, "check_topology.py", "job.slurm"], cwd=tmp_path, env=clean_env(),
-                       capture_output=True, text=True, timeout=120)
+    r = check_job(tmp_path, [*MODELS["conv"][0], "--nlayers", "12", "--d-model", "256", "--batch-size", "16"])
     assert r.returncode == 0, r.stdout + r.stderr
     [warning] = [x for x in r.stdout.splitlines() if "ignored-with-model" in x]
     assert "--d-model, --nlayers shape the kit's own Transformer" in warning, warning
