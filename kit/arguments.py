@@ -1,7 +1,7 @@
 """The trainers' arguments, defined once: ARGS (name, type, GPU and CPU defaults, range, help, layouts), the
 argparse both trainers build from it, and the reader of a job script's trainer line with that same parser; the
 Training a run or a check is about.
-Owns: every trainer default and range (docs/arguments.md lists them). Imports: kit.findings only.
+Owns: every trainer default and range (docs/arguments.md lists them). Imports: kit.findings, kit.schedules.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable, Iterable, NoReturn, Sequence
 
 from kit.findings import Findings, refusal_text
+from kit.schedules import MULTI_STAGE, SCHEDULES
 
 
 # Every argument of the two trainers is defined once, in ARGS: its name, type, GPU and CPU defaults, choices, range,
@@ -31,15 +32,6 @@ ENGINES = ("auto", "torch-pipe", "fairscale")
 # --precision's names: fp32 (no autocast), bf16 or fp16 autocast; the trainer maps each name to its torch dtype
 # (bench_ddp_transformer.AUTOCAST_DTYPE)
 PRECISIONS = ("fp32", "bf16", "fp16")
-
-# The stage layout (bench_stage.py): torch.distributed.pipelining's schedules, by --schedule name (the one list of
-# them: bench_stage.py's choices, and the class it builds); the multi-stage ones hold several stages per task.
-# Not offered: the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) split the
-# weight gradients out of the backward, which DDP's gradient hooks don't follow (ZB-V crashed with DDP here).
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
-             "loopedbfs": "ScheduleLoopedBFS"}
-
-MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
 
 TRAINERS = {"bench_ddp_transformer.py": "replica", "bench_stage.py": "stage"}  # the script sets the layout
 

@@ -1,7 +1,7 @@
 """The per-GPU peak of a user's model (issue 34): kit.memory's terms, composed from each layer's measured figures
 (kit.own_model.LayerCost) instead of an op-by-op tape; the kit's own Transformer goes to kit.memory itself.
 Owns: estimate_peaks, the composition of layer figures into a part's step. Imports: kit.arguments, kit.memory,
-kit.plan.
+kit.plan, kit.schedules.
 
 The terms are kit.memory.PartMemory's, with its helpers (ZeRO's partition, AdamW's temporary, the allowance, the
 stage layout's schedules). A layer is known by its figures alone (no torch here): its parameters (each tensor's
@@ -15,8 +15,9 @@ from typing import Sequence
 
 from kit.arguments import Training
 from kit.memory import PartMemory, _add, _step_temporary, _zero_owned, allowance, estimate_memory, \
-    estimate_stage_memory, stage_actions
+    estimate_stage_memory, replayed
 from kit.plan import layer_split
+from kit.schedules import most_alive
 
 LABEL_BYTES = 8  # one int64 class index a sample, on the last part (the kit's data; a synthetic batch's labels)
 
@@ -53,20 +54,16 @@ def estimate_peaks(costs: Sequence, sizes: Sequence[int], micro: int, chunks: in
     outs = [c.out_by_precision.get(precision, c.out_bytes) for c in costs]
     ins = [costs[0].saved_checkpointed, *outs[:-1]]  # per sample, in the precision the step runs
     return [_part(parts[p], p, nb_part, micro, chunks, t, owned[p] if owned else None, arch, traced,
-                  _alive(layout, schedule, nb_part, chunks, p), f"layers {bounds[p]}-{bounds[p + 1] - 1}",
+                  _alive(t, nb_part, chunks, p), f"layers {bounds[p]}-{bounds[p + 1] - 1}",
                   (ins[bounds[p]:bounds[p + 1]], outs[bounds[p]:bounds[p + 1]])) for p in range(nb_part)]
 
 
-def _alive(layout: str, schedule: str, nb_part: int, chunks: int, rank: int) -> int:
+def _alive(t: Training, nb_part: int, chunks: int, rank: int) -> int:
     """Micro-batches forwarded and not yet backwarded at once, at most: every one in the replica layout (GPipe),
-    the schedule's count in the stage layout (kit.memory.stage_actions)."""
-    if layout != "stage":
+    the schedule's count in the stage layout (kit.schedules, as kit.memory replays it)."""
+    if t.layout != "stage":
         return chunks
-    alive = most = 0
-    for kind, _ in stage_actions(schedule, nb_part, 1, chunks, rank):
-        alive += 1 if kind == "F" else -1
-        most = max(most, alive)
-    return most
+    return most_alive(replayed(t, nb_part, 1, chunks, rank))
 
 
 def _micro_batch(costs: Sequence, ins: list[float], micro: int, precision: str, ckpt: bool,

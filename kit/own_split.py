@@ -3,7 +3,7 @@
 --split even|time|memory), said in one line that the checker prints and the trainer logs, so that what the checker
 approves is what runs. torch is imported here only in model mode (kit.own_model, lazily): the checker's plain path
 stays free of it. Owns: ModelPlan, plan_model, the checker's --model note, its memory estimate and fixes. Imports:
-kit.arguments, kit.layer_memory, kit.memory, kit.own_model, kit.plan, kit.trainer_checks.
+kit.arguments, kit.layer_memory, kit.memory, kit.own_model, kit.plan, kit.schedules.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kit.arguments import Training, model_args
 from kit.layer_memory import estimate_peaks
 from kit.memory import GIB, NotEstimated, PartMemory
 from kit.plan import layer_split, split_contents
-from kit.trainer_checks import stages_per_rank
+from kit.schedules import stages_per_rank
 
 
 @dataclass
