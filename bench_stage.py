@@ -199,8 +199,9 @@ class Stages:  # a Trainer
             return None
         stages = [pipelining.PipelineStage(self.modules[s], s, self.nb_part, self.device,
                                            *self.example_io(pipelining, s), group=pp_group) for s in self.ids]
-        fill_drain = kit.schedules.SCHEDULES["gpipe" if len(stages) == 1 else "loopedbfs"].torch_class
-        return getattr(pipelining, fill_drain)(stages[0] if len(stages) == 1 else stages, n_microbatches=self.cfg.chunks)
+        one = len(stages) == 1  # fill and drain: GPipe for a stage a task, LoopedBFS for several
+        fill_drain = getattr(pipelining, kit.schedules.SCHEDULES["gpipe" if one else "loopedbfs"].torch_class)
+        return fill_drain(stages[0] if one else stages, n_microbatches=self.cfg.chunks)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, run) -> torch.Tensor | None:
         args = (x.to(self.device, non_blocking=True),) if self.first_holder else ()

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from kit.arguments import Training
-from kit.memory import PartMemory, _add, _step_temporary, _zero_owned, allowance, estimate_memory, \
+from kit.memory import NotEstimated, PartMemory, _add, _step_temporary, _zero_owned, allowance, estimate_memory, \
     estimate_stage_memory, replayed
 from kit.plan import layer_split
-from kit.schedules import most_alive
+from kit.schedules import most_alive, schedule
 
 LABEL_BYTES = 8  # one int64 class index a sample, on the last part (the kit's data; a synthetic batch's labels)
 
@@ -26,6 +26,15 @@ def kit_sizes(nlayers: int, nb_part: int) -> list[int]:
     """The kit's plan as sizes over the sequence Encoder, Layers, Decoder: the Encoder on the first part, the Decoder
     on the last (kit.plan.layer_split, the one split function the trainers run)."""
     return layer_split(nlayers + 2, nb_part, ends=True)
+
+
+def one_stage_a_task(t: Training) -> None:
+    """NotEstimated where the stage layout's schedule puts several stages of a --model on each task, which this
+    estimate does not model yet."""
+    stages = schedule(t.schedule).stages_per_rank(t.virtual_stages) if t.layout == "stage" else 1
+    if stages > 1:
+        raise NotEstimated(f"--schedule {t.schedule} puts {stages} stages of a --model on each task, which its "
+                           "estimate does not model yet (one stage a task: --schedule gpipe or 1f1b)")
 
 
 def estimate_peaks(costs: Sequence, sizes: Sequence[int], micro: int, chunks: int, precision: str = "fp32",

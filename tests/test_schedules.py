@@ -73,7 +73,8 @@ def test_each_schedule_has_its_torch_class_and_the_releases_read_the_table():
     assert kit.schedules.MULTI_STAGE == ("interleaved1f1b", "loopedbfs")
     for name, row in kit.schedules.SCHEDULES.items():
         t = kit.arguments.Training(layout="stage", schedule=name)
-        assert kit.releases.torch_refusals("2.3.1", t)[0].startswith("the stage layout (bench_stage.py) needs torch >= 2.4")
+        before = kit.releases.torch_refusals("2.3.1", t)
+        assert before[0].startswith("the stage layout (bench_stage.py) needs torch >= 2.4"), before
         on_gloo = kit.releases.torch_refusals("2.6.0", t, cpu=True)
         assert bool(on_gloo) == bool(row.gloo_first), name
         assert not kit.releases.torch_refusals("2.6.0", t) and not kit.releases.torch_refusals("2.8.0", t, cpu=True)
