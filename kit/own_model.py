@@ -418,8 +418,7 @@ def _request(args: argparse.Namespace) -> tuple[Training, dict, int]:
     findings = Findings()
     check_training(parts, t, findings)
     if t.layout == "stage":
-        for code, text in schedule(t.schedule).problems(parts, m["chunks"], t.virtual_stages):
-            findings.error(code, text)
+        schedule(t.schedule).check(parts, m["chunks"], t.virtual_stages, findings)
     if findings.errors:
         raise ModelError(refusal_text(findings.errors))
     one_stage_a_task(t)  # NotEstimated where the schedule puts several stages on a task

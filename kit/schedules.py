@@ -2,7 +2,7 @@
 --schedule its torch class, whether a task holds several stages and which, the order of the actions a task runs
 (what kit.memory replays and kit.speed simulates), the first torch release that has it (and runs it on gloo), its
 rules on --pp and --chunks, and the schedule that keeps fewer micro-batches alive (kit.memory's fixes).
-Owns: SCHEDULES, Schedule, Action and the action orders. Imports: nothing of the kit (no torch: the checker's path).
+Owns: SCHEDULES, Schedule, Action and the action orders. Imports: kit.findings (no torch: the checker's path).
 
 Adding a schedule is a row of SCHEDULES and its order function (pp, virtual, chunks, rank) -> [Action, ...]. An
 action is (kind, micro-batch, stage), with torch's letters (_ComputationType in torch/distributed/pipelining/
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
+
+from kit.findings import Findings
 
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
@@ -33,26 +35,24 @@ class UnknownSchedule(ValueError):
     """A --schedule name that is not a row of SCHEDULES."""
 
 
-# The rules a schedule sets on the pipeline's stages and micro-batches: each returns (finding code, the refusal with
-# its fix) or None. The checker and the trainers refuse on them (kit.trainer_checks.check_stage).
-Rule = Callable[[str, int, int, int], "tuple[str, str] | None"]  # (schedule, pp, chunks, virtual)
+# The rules a schedule sets on the pipeline's stages and micro-batches: each adds its refusal, with the fix, to the
+# findings. The checker and the trainers refuse on them (kit.trainer_checks.check_stage).
+Rule = Callable[[str, int, int, int, Findings], None]  # (schedule, pp, chunks, virtual, findings)
 
 
-def chunks_at_least_stages(name: str, pp: int, chunks: int, virtual: int) -> tuple[str, str] | None:
+def chunks_at_least_stages(name: str, pp: int, chunks: int, virtual: int, findings: Findings) -> None:
     """Schedule1F1B asks for a micro-batch per stage at least (torch raises later, in the first step)."""
-    if chunks >= pp:
-        return None
-    return ("chunks-below-stages", f"--schedule {name} needs --chunks >= the {pp} stages of a pipeline (got "
-            f"{chunks}): try --chunks {pp * 2} or --schedule gpipe")
+    if chunks < pp:
+        findings.error("chunks-below-stages", f"--schedule {name} needs --chunks >= the {pp} stages of a pipeline "
+                       f"(got {chunks}): try --chunks {pp * 2} or --schedule gpipe")
 
 
-def chunks_in_rounds(name: str, pp: int, chunks: int, virtual: int) -> tuple[str, str] | None:
+def chunks_in_rounds(name: str, pp: int, chunks: int, virtual: int, findings: Findings) -> None:
     """The interleaved schedules run the micro-batches in rounds of chunks // (chunks // pp)."""
     rounds = max(1, chunks // pp)
-    if chunks % rounds == 0:
-        return None
-    return ("chunks-not-rounds", f"--schedule {name} needs --chunks to be a multiple of chunks // pp = {rounds} "
-            f"(got {chunks}); try --chunks {rounds * pp}")
+    if chunks % rounds:
+        findings.error("chunks-not-rounds", f"--schedule {name} needs --chunks to be a multiple of chunks // pp = "
+                       f"{rounds} (got {chunks}); try --chunks {rounds * pp}")
 
 
 def _numbered(steps: list[tuple[str, int]]) -> list[Action]:
@@ -146,9 +146,10 @@ class Schedule:
         """What task `rank` of a pipeline of `pp` tasks runs in one step of `chunks` micro-batches, in order."""
         return self.order(pp, self.stages_per_rank(virtual), chunks, rank)
 
-    def problems(self, pp: int, chunks: int, virtual: int) -> list[tuple[str, str]]:
-        """Its rules' refusals for this pipeline: (finding code, message) each."""
-        return [p for rule in self.rules if (p := rule(self.name, pp, chunks, virtual))]
+    def check(self, pp: int, chunks: int, virtual: int, findings: Findings) -> None:
+        """Its rules on this pipeline: each refusal added to `findings`."""
+        for rule in self.rules:
+            rule(self.name, pp, chunks, virtual, findings)
 
 
 # Not offered (yet): the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, DualPipeV)

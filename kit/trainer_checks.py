@@ -140,8 +140,7 @@ def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None
                       f"micro-batch; choose --pp in {choice_list(d for d in divisors(min(tasks_per_node)) if d > 1)}")
     if not t.known("chunks") or row is None:
         return pp * v
-    for code, message in row.problems(pp, chunks, t.virtual_stages):  # the schedule's own rules (kit.schedules)
-        findings.error(code, message)
+    row.check(pp, chunks, t.virtual_stages, findings)  # the schedule's own rules (kit.schedules)
     return pp * v
 
 
