@@ -172,8 +172,9 @@ class Stages:  # a Trainer
         # and 2.6.0 have none and their gradients are the micro-batches' sum
         self.scales_grads = "scale_grads" in inspect.signature(cls.__init__).parameters
         try:
-            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=self.loss_fn)
-                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks, loss_fn=self.loss_fn))
+            # a multi-stage schedule (the table's word: a PipelineScheduleMulti) takes the list of its stages
+            self.schedule = cls(stages if self.row.multi_stage else stages[0], n_microbatches=self.cfg.chunks,
+                                loss_fn=self.loss_fn)
         except ValueError as exc:
             raise RunError(f"--schedule {self.cfg.schedule} with --chunks {self.cfg.chunks} and --pp {self.pp}: "
                            f"{exc}") from None

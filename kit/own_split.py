@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kit.arguments import Training, model_args
 from kit.layer_memory import estimate_peaks, one_stage_a_task
 from kit.memory import GIB, PartMemory
-from kit.model import LayerCost, Model, default_sample
+from kit.model import Model, default_sample
 from kit.plan import split_contents
 
 
@@ -31,16 +31,8 @@ class ModelPlan:
         return self.model.spec
 
     @property
-    def sample(self) -> str:
-        return self.model.sample
-
-    @property
     def names(self) -> list[str]:
         return self.model.names
-
-    @property
-    def costs(self) -> list[LayerCost]:
-        return self.model.costs
 
     @property
     def flops_per_sample(self) -> float:
@@ -91,7 +83,7 @@ def own_memory(t: Training, nb_part: int, replicas: int, arch: str, cpu: bool = 
     one_stage_a_task(t)
     plan = line_plan(t, nb_part, cpu)
     model = model_args(t, cpu)
-    return estimate_peaks(plan.costs, plan.sizes, max(1, model["batch_size"] // model["chunks"]), model["chunks"],
+    return estimate_peaks(plan.model.costs, plan.sizes, max(1, model["batch_size"] // model["chunks"]), model["chunks"],
                           t.precision, replicas, t.zero, t.activation_checkpointing, t.layout, arch, t.schedule,
                           kit_model=plan.model.kit)
 

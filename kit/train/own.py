@@ -60,7 +60,7 @@ def resolve_model(cfg: argparse.Namespace, nb_part: int) -> OwnModel | None:
         x = own_model.sample_batch(cfg.sample)()
     except own_model.ModelError as exc:
         raise kit.arguments.ArgumentError(str(exc)) from None
-    shapes = [c.out_shape for c in plan.costs]
+    shapes = [c.out_shape for c in plan.model.costs]
     kit_data = is_token_ids(cfg.sample) and plan.model.classes == NCLASSES
     if kit_data:
         cfg.seq_len = x.shape[1]  # the reviews are cut to the length the model takes
