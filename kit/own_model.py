@@ -12,8 +12,9 @@ real CPU forward on batches of one and two, and said. Results are cached by the 
 Then the split: the page's even one, and the one balanced by FLOPs or by memory (kit.plan.balanced_sizes); each
 part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer, recognised, is kit.memory's
 estimate itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers).
-Owns: LayerCost and the measurement. Imports: kit.advise, kit.arguments, kit.findings, kit.layer_memory, kit.memory,
-kit.plan, kit.site, kit.train.errors, kit.train.options (torch: only in this mode, never on the checker's plain path).
+Owns: LayerCost and the measurement. Imports: kit.advise, kit.arguments, kit.bounded, kit.findings, kit.layer_memory,
+kit.memory, kit.plan, kit.site, kit.train.errors, kit.train.options (torch: only in this mode, never on the checker's
+plain path).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch.nn as nn
 
 from kit.advise import GPUS, advise_layers, advise_layers_text, gpu_of
 from kit.arguments import PRECISIONS, model_args
+from kit.bounded import FileProblem, read_regular
 from kit.layer_memory import estimate_peaks, kit_sizes
 from kit.memory import GIB
 from kit.plan import balanced_sizes, part_sizes
@@ -315,10 +317,10 @@ def layer_costs(spec: str, sample: str, use_cache: bool = True) -> list[LayerCos
         x = sample_batch(sample)()
         source += repr((tuple(x.shape), str(x.dtype)))
     path = cache_path(spec, sample, source)
-    if use_cache and path.is_file():
-        try:
-            return [LayerCost(**c) for c in json.loads(path.read_text())]
-        except (ValueError, TypeError, OSError):
+    if use_cache and os.path.lexists(path):
+        try:  # a regular file, bounded (kit.bounded.read_regular: a FIFO there would block, /dev/zero fill memory)
+            return [LayerCost(**c) for c in json.loads(read_regular(path, 16 * 2 ** 20, nofollow=True)[0])]
+        except (FileProblem, ValueError, TypeError, OSError, RecursionError):
             pass  # damaged: measured again
     costs = measure(spec, sample)
     if use_cache:
