@@ -4,7 +4,8 @@ part) for either layout; the data and the loss: a model that takes token ids (--
 2 classes' logits trains on the kit's data and reports accuracy, any other one runs on synthetic batches drawn like
 --sample with a stand-in loss, and the run says it measures speed, not learning.
 Owns: OwnModel, resolve_model, own_parts (and their checkpointing), the synthetic batches and loss.
-Imports: kit.arguments, kit.memory, kit.own_model, kit.own_split, kit.plan, kit.train.errors, kit.train.options.
+Imports: kit.arguments, kit.memory, kit.own_model, kit.own_split, kit.plan, kit.train.errors, kit.train.options,
+kit.train.signals.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import kit.memory
 import kit.plan
 from kit.own_split import ModelPlan, default_sample, is_token_ids, plan_model
 from kit.train.errors import RunError
+from kit.train.signals import stoppable
 from kit.train.options import Part, device_arch, training_of
 
 NCLASSES = 2  # the kit's task: a review's two classes (bench_ddp_transformer.Decoder's head)
@@ -52,9 +54,10 @@ def resolve_model(cfg: argparse.Namespace, nb_part: int) -> OwnModel | None:
         return None
     from kit import own_model  # here: a run of the kit's own model never imports the measuring machinery
     cfg.sample = cfg.sample or default_sample(cfg.batch_size, cfg.seq_len)
-    try:
-        plan = plan_model(cfg.model_spec, cfg.sample, nb_part, cfg.split, max(1, cfg.batch_size // cfg.chunks),
-                          cfg.chunks, cfg.precision)
+    try:  # a first measurement of a large model takes minutes: a stop signal then ends the run at once (issue 42)
+        with stoppable(f"measuring --model {cfg.model_spec} (its first run; later runs read the cache)"):
+            plan = plan_model(cfg.model_spec, cfg.sample, nb_part, cfg.split, max(1, cfg.batch_size // cfg.chunks),
+                              cfg.chunks, cfg.precision)
         x = own_model.sample_batch(cfg.sample)()
     except own_model.ModelError as exc:
         raise kit.arguments.ArgumentError(str(exc)) from None
