@@ -20,10 +20,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RecordsError, read_records, value_problem  # noqa: E402  (one reader of the records, two reports)
+from report import RecordsError, capped, read_records, value_problem  # noqa: E402  (one reader of the records)
 import kit.bounded  # noqa: E402  (report.py puts the kit on the path: one bounded reader of every file)
 
 MAX_LOG, MAX_LIST = 8 * 2 ** 20, 2 ** 20  # a log is read at both ends past 8 MiB; status.tsv, steps.txt are lines
+MAX_STEPS = 200
 
 # The first line that matches a pattern is the run's error; the cause is what it most likely means. Ordered: a
 # task that lost contact is usually not the cause, so the patterns of the cause come first.
@@ -100,7 +101,11 @@ def read_plan(folder: Path, notes: list[str]) -> list[str] | None:
     if not os.path.lexists(folder / "steps.txt"):
         return None
     steps = [line.strip() for line in text_of(folder / "steps.txt", notes, MAX_LIST).splitlines() if line.strip()]
-    return [x for x in steps if re.fullmatch(r"[\w.-]+", x, re.A)] or None
+    steps = [x for x in steps if re.fullmatch(r"[\w.-]+", x, re.A)]
+    if len(steps) > MAX_STEPS:  # first_run.slurm plans 11 on a 4-GPU node, 15 on 8 GPUs
+        notes.append(f"{folder / 'steps.txt'}: not read: {len(steps):,} steps, not a first run's plan")
+        return None
+    return steps or None
 
 
 def records(path: Path, notes: list[str]) -> list[dict]:
@@ -223,7 +228,7 @@ def report(folder: Path) -> tuple[str, int]:
     failed += bench_failed
     text += ["", summary(len(status), failed, missing, planned)]
     if notes:  # in the report itself (report.md), where the user reads the job's outcome
-        text += ["", "Lines not read (each costs its own record or figure only):", *(f"- {n}" for n in notes)]
+        text += ["", "Lines not read (each costs its own record or figure only):", *(f"- {n}" for n in capped(notes))]
     return "\n".join(text) + "\n", failed + len(missing) + (not status)
 
 

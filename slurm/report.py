@@ -78,6 +78,14 @@ TRAINER_ARGS = {a.dest: a for a in kit.arguments.ARGS if a.dest != "nb_part"}
 # A results file is read whole into records: bounded, so that a hostile or runaway file (a million records cost 7
 # times their size before) is one line. A record is 0.5 to 2 kB; a line above MAX_LINE is no record.
 MAX_RESULTS_BYTES, MAX_LINE = 64 * 2 ** 20, 2 ** 20
+# and at most MAX_LINES lines (a run appends one: 60 MB of empty lines took 162 s), the first MAX_NOTES notes shown
+MAX_LINES, MAX_NOTES = 100_000, 100
+
+
+def capped(notes: list[str]) -> list[str]:
+    """The first MAX_NOTES notes and how many more there are: 100,000 damaged lines are not 100,000 lines of report."""
+    more = len(notes) - MAX_NOTES
+    return notes[:MAX_NOTES] + ([f"... and {more:,} more line(s) not read or left out"] if more > 0 else [])
 
 
 def interned(pairs: list) -> dict:
@@ -110,8 +118,9 @@ def read_records(path: Path) -> tuple[list[tuple[str, dict]], list[str]]:
     with f:
         for n, raw in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
             size += len(raw)
-            if size > MAX_RESULTS_BYTES:
-                raise RecordsError(f"cannot read {path}: it grew past {MAX_RESULTS_BYTES >> 20} MiB while it was read")
+            if size > MAX_RESULTS_BYTES or n > MAX_LINES:
+                raise RecordsError(f"{path}: more than {MAX_RESULTS_BYTES >> 20} MiB or {MAX_LINES:,} lines (a run "
+                                   "appends one): not a sweep's records; split the file, e.g. tail -n 10000")
             where, unfinished = f"{path}:{n}", not raw.endswith(b"\n")  # no "\n" after it: its append was cut
             if len(raw) > MAX_LINE:
                 while raw and not raw.endswith(b"\n"):  # the rest of the line, read and dropped
@@ -214,7 +223,7 @@ def load(paths: list[Path]) -> tuple[list[dict], list[str]]:
             r["gpus"] = r.get("gpus") or r["tasks"] * r["nb_part"]
             r["batch_per_gpu"] = r["batch_size"] // r["nb_part"]
             records.append(r)
-        problems += sorted(notes, key=lambda note: int(note[len(str(path)) + 1:].split(":", 1)[0]))  # line order
+        problems += capped(sorted(notes, key=lambda note: int(note[len(str(path)) + 1:].split(":", 1)[0])))
     return records, problems
 
 

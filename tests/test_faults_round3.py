@@ -374,6 +374,17 @@ def test_report_py_reads_a_file_only(tmp_path, kind):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_results_file_of_countless_lines_is_one_line_and_its_notes_are_capped(tmp_path):
+    """60 MB of empty lines took 162 s (a Python loop over 63 million lines); 150 junk lines were 150 notes."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n" * (results_report.MAX_LINES + 1))
+    r = run_script("report.py", str(path), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "not a sweep's records" in r.stderr, r.stderr
+    path.write_bytes(b"junk\n" * 150 + results(RECORD))
+    _, notes = results_report.load([path])
+    assert len(notes) == results_report.MAX_NOTES + 1 and notes[-1] == "... and 50 more line(s) not read or left out"
+
+
 def first_run(tmp_path: Path, steps: list[str] | None, status: str) -> Path:
     folder = tmp_path / "first_run_42"
     folder.mkdir()
@@ -508,6 +519,10 @@ NUMBERS = {  # a directive or line, and a finding it must give (None: a report, 
     "--gpu-bind=per_task:": (f"#SBATCH -N 1 --gres=gpu:4 --ntasks-per-node=2 --gpu-bind=per_task:{HUGE}", None),
     "${@:N}": (f"f() {{ echo ${{@:{HUGE}}} ${{{HUGE}}}; }}\nf a b\nset -- a b\nshift {HUGE}", None),
     "$(( ))": (f"X=$(( {'9' * 900} * 3 ))\nsrun python t.py --nodes $X", None),
+    "trainer --chunks": (f"#SBATCH -N 1 --gres=gpu:4 --ntasks-per-node=1\nsrun python bench_ddp_transformer.py "
+                         f"--chunks {HUGE}", "bad-argument"),
+    "trainer --nlayers ٣": ("#SBATCH -N 1 --gres=gpu:4 --ntasks-per-node=1\nsrun python bench_ddp_transformer.py "
+                            "--nlayers ٣", "bad-argument"),  # int() read it as 3
 }
 
 
