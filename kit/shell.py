@@ -547,7 +547,8 @@ class ShellBudget:
         self.steps += steps
         self.bytes += nbytes
         if self.steps > self.STEPS:
-            raise TooComplex(self.line, f"more than {self.STEPS} commands and expansions to follow")
+            raise TooComplex(self.line, f"more than {self.STEPS} steps of work to follow (commands, expansions, "
+                             "arithmetic, text read again)")
         if self.bytes > self.BYTES:
             raise TooComplex(self.line, f"its variables' values grow past {self.BYTES >> 20} MiB")
 
