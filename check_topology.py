@@ -36,7 +36,7 @@ try:
     from kit.advise import advise_main
     from kit.allocation import check_in_step, gpus_memory_here, job_from_allocation
     from kit.arguments import ARGS, SCRIPTS, TRAINING_FIELDS, Training, below_one_message, unknown_option
-    from kit.bounded import TOO_LARGE, number_shown, whole_number
+    from kit.bounded import TOO_LARGE, number_shown, printable, whole_number
     from kit.checks import check_job
     from kit.findings import UsageError
     from kit.jobscript import read_sbatch
@@ -218,8 +218,9 @@ def check(argv: list[str] | None) -> int:
         return 2 if exc.code else 0
     if extras:  # what argparse would refuse, with the did-you-mean the trainers give
         flags = re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_usage())
-        print(f"check_topology: {unknown_option(extras[0], flags, 'check_topology.py')}" if extras[0].startswith("-")
-              else f"check_topology: unexpected {extras[0]!r}: give one sbatch file at most", file=sys.stderr)
+        print(printable(f"check_topology: {unknown_option(extras[0], flags, 'check_topology.py')}" if extras[0]
+                        .startswith("-") else f"check_topology: unexpected {extras[0]!r}: give one sbatch file at most"),
+              file=sys.stderr)
         return 2
     training = Training()
     try:
@@ -257,7 +258,7 @@ def check(argv: list[str] | None) -> int:
             if report is None:
                 return code
     except (UsageError, idr_torch.LaunchError) as exc:
-        print(f"check_topology: {exc}", file=sys.stderr)
+        print(f"check_topology: {printable(str(exc))}", file=sys.stderr)  # a path or value with escapes
         return 2
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.text())
     return 0 if report.ok else 1

@@ -575,6 +575,14 @@ def test_terminal_escapes_from_slurm_are_not_printed(tmp_path, site):
     assert code == 1 and "\x1b" not in text and "\x07" not in text and "(5004 in all)" in line and len(line) < 1500
 
 
+def test_the_checkers_one_line_errors_carry_no_escape(tmp_path, capsys):
+    """A path or an option written with terminal escapes, quoted in the one-line error: printed without them."""
+    assert ct.main([str(tmp_path / "no\x1b]0;pwned\x07such.slurm")]) == 2
+    assert ct.main(["--bogus\x1b[2J"]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and "nosuch.slurm" in err and "--bogus" in err, err
+
+
 def test_a_line_is_cut_in_the_text_report():
     assert len(bounded.printable("x" * 10_000_000)) < bounded.LINE_CHARS + 100
     assert bounded.printable("a\x1b[31mb\x9b1mc\x00d\te\nf") == "abcd\te\nf"
