@@ -28,6 +28,7 @@ import argparse
 import json
 import re
 import sys
+import time
 
 try:
     import idr_torch
@@ -36,6 +37,7 @@ try:
     from kit.allocation import check_in_step, gpus_memory_here, job_from_allocation
     from kit.arguments import (ARGS, SCRIPTS, ArgumentError, Training, add_options, below_one_message, given_values,
         set_values, unknown_option)
+    from kit.bounded import TOO_LARGE, number_shown, printable, whole_number
     from kit.checks import check_job
     from kit.findings import UsageError
     from kit.jobscript import read_sbatch
@@ -49,6 +51,15 @@ except ImportError as exc:  # copied alone: the kit is a folder (README, "On the
 CHECKED = [a for a in ARGS if a.checked]  # the trainers' arguments the checker's own command line takes
 
 
+def count(text: str) -> int:
+    """A planning count in ASCII digits, read bounded (kit.bounded.whole_number: '٣' and 5,000 digits are one line,
+    never int()'s limit); its range is planning_counts'."""
+    n = whole_number(text.strip())
+    if n is None:
+        raise argparse.ArgumentTypeError(f"{number_shown(text, 40)!r} is not a count (digits 0-9)")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(  # no abbreviations, as in the trainers (kit.arguments)
         prog="check_topology.py", description=__doc__.split("\n\n")[0],
@@ -56,13 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 clean (warnings allowed), 1 errors, 2 usage error or unreadable file.")
     p.add_argument("sbatch_file", nargs="?", help="an sbatch script to check before submitting it")
     plan = p.add_argument_group("planning without a cluster")
-    plan.add_argument("--nodes", "-N", type=int)
-    plan.add_argument("--gpus-per-node", type=int)
-    plan.add_argument("--ntasks-per-node", type=int)
-    plan.add_argument("--ntasks", "-n", type=int)
-    plan.add_argument("--gpus-per-task", type=int)
+    plan.add_argument("--nodes", "-N", type=count)
+    plan.add_argument("--gpus-per-node", type=count)
+    plan.add_argument("--ntasks-per-node", type=count)
+    plan.add_argument("--ntasks", "-n", type=count)
+    plan.add_argument("--gpus-per-task", type=count)
     plan.add_argument("--gpu-bind")
-    plan.add_argument("--cpus-per-task", "-c", type=int)
+    plan.add_argument("--cpus-per-task", "-c", type=count)
     plan.add_argument("--partition", "-p")
     plan.add_argument("--constraint", "-C")
     train = p.add_argument_group("the trainer's arguments (over those of an sbatch file's trainer line; the "
@@ -102,7 +113,8 @@ def planning_counts(args: argparse.Namespace) -> None:
         flag = name.replace("_", "-")
         value = getattr(args, name, None)
         if value is not None and value > COUNT_LIMITS[flag]:
-            raise UsageError(f"--{flag} {value} is more than any Jean Zay node or partition has (the checker plans "
+            shown = value if value < TOO_LARGE else "of more than 18 digits"
+            raise UsageError(f"--{flag} {shown} is more than any Jean Zay node or partition has (the checker plans "
                              f"up to {COUNT_LIMITS[flag]}); give what the nodes have")
 
 
@@ -123,22 +135,32 @@ def override(args: argparse.Namespace, t: Training) -> Training:
 
 
 def use_site(job: Job, choice: str) -> str:
-    """Sets whose rules judge the job's account, QoS and time (--site); returns the report's note saying which."""
+    """Sets whose rules judge the job's account, QoS and time (--site); returns the report's note saying which: a
+    fresh read or a cached one (and its age), and where Slurm's accounting did not answer, that the table judges."""
+    why_not = ""
     if choice in ("auto", "live"):
-        facts = site_slurm.site_facts()  # None where Slurm's commands are absent or don't answer in time
+        facts, why_not = site_slurm.site_facts()  # None where Slurm's commands are absent or don't answer in time
         if facts is not None:
             job.site_rules, job.site = "live", facts
+            when = (f"a cached read of {max(0, time.time() - facts.read_at):.0f} s ago (kept "
+                    f"{site_slurm.CACHE_SECONDS} s)" if facts.source == "cache" else
+                    f"read in {facts.read_seconds:.2f} s")
+            if facts.accounting_problem:
+                return (f"site rules: Slurm's partitions here ({facts.cluster}, Slurm {facts.version}: "
+                        f"{len(facts.partitions)} partitions; {when}), but its accounting (slurmdbd) was slow or "
+                        f"failed: {facts.accounting_problem}; so the QoS, account and time rules are Jean Zay's "
+                        f"documented table of {JEAN_ZAY_DATE}, not this site's (not cached: the next check asks again)")
             qos = (f"{len(facts.qos)} QoS and your {len(facts.assocs)} association(s)" if facts.accounting else
-                   "no accounting (no QoS or association limits)")
+                   "no accounting (no slurmdbd: no QoS or association limits)")
             return (f"site rules: Slurm's configuration here ({facts.cluster}, Slurm {facts.version}: "
-                    f"{len(facts.partitions)} partitions, {qos}; read in {facts.read_seconds:.2f} s)")
+                    f"{len(facts.partitions)} partitions, {qos}; {when})")
         if choice == "live":
-            raise UsageError(f"--site live: Slurm does not answer here (scontrol absent, or no answer within "
-                             f"{site_slurm.READ_SECONDS:g} s); or use --site jean-zay (the dated table) or --site none")
+            raise UsageError(f"--site live: Slurm does not answer here ({why_not}); or use --site jean-zay (the dated "
+                             "table) or --site none")
     job.site_rules = "none" if choice == "none" else "jean-zay"
     return ("site rules: none (--site none): Slurm's own behaviour only, no account, QoS or time limit judged"
             if choice == "none" else f"site rules: Jean Zay's documented table of {JEAN_ZAY_DATE}"
-            + (" (Slurm does not answer here)" if choice == "auto" else ""))
+            + (f" (Slurm does not answer here: {why_not})" if choice == "auto" else ""))
 
 
 def advise(args: argparse.Namespace, training: Training) -> int:
@@ -150,7 +172,33 @@ def advise(args: argparse.Namespace, training: Training) -> int:
     return advise_main(args, training)
 
 
+def in_allocation(args: argparse.Namespace, training: Training):
+    """Inside a job: every task of an srun step checks what it sees (rank 0 reports: (None, code) elsewhere), or the
+    batch step checks the allocation."""
+    launch = idr_torch.Launch()
+    if launch.launcher == "slurm":
+        return check_in_step(launch, override(args, training), args.gpu_mem)
+    if not launch.job_id:
+        raise UsageError("nothing to check: give an sbatch file, planning flags (--nodes 3 --gpus-per-node 4 "
+                         "--ntasks-per-node 2), or run me inside a Slurm allocation")
+    job = job_from_allocation(launch.env)
+    job.gpu_mem, (job.gpu_mem_seen, why) = args.gpu_mem, gpus_memory_here()
+    report = check_job(job, override(args, training))
+    report.notes += [why] if why else []
+    return report, 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The checker's command line; Ctrl-C (a long --model measurement, --advise) is one line and exit 130 (it was a
+    68-line traceback, issue 42)."""
+    try:
+        return check(argv)
+    except KeyboardInterrupt:
+        print("check_topology: interrupted (Ctrl-C): stopped before a verdict; nothing was checked", file=sys.stderr)
+        return 130
+
+
+def check(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args, extras = parser.parse_known_args(argv)
@@ -158,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if exc.code else 0
     if extras:  # what argparse would refuse, with the did-you-mean the trainers give
         flags = re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_usage())
-        print(f"check_topology: {unknown_option(extras[0], flags, 'check_topology.py')}" if extras[0].startswith("-")
-              else f"check_topology: unexpected {extras[0]!r}: give one sbatch file at most", file=sys.stderr)
+        print(printable(f"check_topology: {unknown_option(extras[0], flags, 'check_topology.py')}" if extras[0]
+                        .startswith("-") else f"check_topology: unexpected {extras[0]!r}: give one sbatch file at most"),
+              file=sys.stderr)
         return 2
     training = Training()
     try:
@@ -193,20 +242,11 @@ def main(argv: list[str] | None = None) -> int:
             report.findings[:] = [f for f in report.findings
                                   if f.code not in ("cpus-per-task-missing", "hint-missing", "time-missing")]
         else:
-            launch = idr_torch.Launch()
-            if launch.launcher == "slurm":
-                report, code = check_in_step(launch, override(args, training), args.gpu_mem)
-                if report is None:
-                    return code
-            elif launch.job_id:
-                job = job_from_allocation(launch.env)
-                job.gpu_mem, job.gpu_mem_seen = args.gpu_mem, gpus_memory_here()
-                report = check_job(job, override(args, training))
-            else:
-                raise UsageError("nothing to check: give an sbatch file, planning flags (--nodes 3 --gpus-per-node 4 "
-                                 "--ntasks-per-node 2), or run me inside a Slurm allocation")
+            report, code = in_allocation(args, training)
+            if report is None:
+                return code
     except (UsageError, idr_torch.LaunchError) as exc:
-        print(f"check_topology: {exc}", file=sys.stderr)
+        print(f"check_topology: {printable(str(exc))}", file=sys.stderr)  # a path or value with escapes
         return 2
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.text())
     return 0 if report.ok else 1

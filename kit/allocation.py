@@ -1,6 +1,6 @@
 """Inside an allocation (`srun python check_topology.py`): the job read from Slurm's environment, every
 task's facts gathered on rank 0, and the same checks as for a file. Owns: the in-step check.
-Imports: idr_torch, kit.arguments, kit.checks, kit.findings, kit.plan, kit.releases, kit.report, kit.slurm.
+Imports: idr_torch, kit.arguments, kit.bounded, kit.checks, kit.findings, kit.plan, kit.releases, kit.report, kit.slurm.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import time
 from dataclasses import asdict
 
 import idr_torch
-from kit.arguments import CPU_DEFAULTS, GPU_DEFAULTS, Training
+from kit.arguments import CPU_DEFAULTS, GPU_DEFAULTS, MAX_GPUS_PER_NODE, Training
+from kit.bounded import read_commands, whole_number
 from kit.checks import check_even, check_gpu_request, check_kit, check_site, dedupe_findings
 from kit.findings import Finding, Findings, UsageError
 from kit.plan import TaskPlan, plan_task
@@ -27,10 +28,10 @@ def job_from_allocation(env: dict[str, str]) -> Job:
         v = env.get(name, "").strip()
         if not v:
             return None
-        m = re.match(r"(?:[A-Za-z0-9_-]+:)?(\d+)$", v)
+        m = re.match(r"(?:[A-Za-z0-9_-]+:)?([0-9]+)$", v)  # ASCII digits, bounded (kit.bounded.whole_number)
         if not m:
-            raise UsageError(f"{name}={v!r} is not a number")
-        return int(m.group(1))
+            raise UsageError(f"{name}={v[:40]!r} is not a number")
+        return whole_number(m.group(1))
     tpn = env.get("SLURM_TASKS_PER_NODE", "").strip()
     gpus = env.get("SLURM_JOB_GPUS", "").strip()
     job = Job(
@@ -55,16 +56,21 @@ def job_from_allocation(env: dict[str, str]) -> Job:
     return job
 
 
-def gpus_memory_here() -> float | None:
-    """The smallest GPU memory nvidia-smi shows in this allocation, in GiB (None without nvidia-smi)."""
-    import subprocess
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        mib = [float(x) for x in out.split()]
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-    return min(mib) / 1024 if mib else None
+def gpus_memory_here() -> tuple[float | None, str | None]:
+    """The smallest GPU memory nvidia-smi shows in this allocation, in GiB (None without nvidia-smi), and why it is
+    not known where nvidia-smi is there but its answer is not one: read bounded (kit.bounded.read_commands: 20 s in
+    all, 64 kB; an endless nvidia-smi held 4.85 GB before), whole MiB in ASCII digits, one line per GPU."""
+    import shutil
+    if not shutil.which("nvidia-smi"):
+        return None, None
+    answer = read_commands({"smi": ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]},
+                           20.0, max_bytes=1 << 16)["smi"]
+    rows = answer.text.split()
+    mib = [whole_number(x) for x in rows[:MAX_GPUS_PER_NODE + 1]]
+    if answer.why or not 0 < len(rows) <= MAX_GPUS_PER_NODE or not all(mib) or max(mib) > 2 ** 24:
+        why = answer.why or f"not 1 to {MAX_GPUS_PER_NODE} lines of whole MiB"
+        return None, f"nvidia-smi's answer was not used ({why}): the GPUs' memory comes from -C/-p or --gpu-mem"
+    return min(mib) / 1024, None
 
 
 def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
@@ -80,7 +86,7 @@ def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
     except (ImportError, AttributeError):
         affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cpt = launch.env.get("SLURM_CPUS_PER_TASK", "").strip()
-    if cpt.isdigit() and affinity < int(cpt):
+    if whole_number(cpt) is not None and affinity < whole_number(cpt):
         findings.warn("affinity-small", f"task {launch.rank} may run on {affinity} CPU(s) but asked "
                       f"--cpus-per-task={cpt}: its DataLoader workers will share them")
     if not visible:
@@ -107,7 +113,7 @@ def collect_reports(launch: idr_torch.Launch, facts: dict,
                     continue
                 conn.settimeout(30)
                 with conn.makefile("rb") as f:
-                    line = f.readline()
+                    line = f.readline(1 << 20)  # a task's facts are a few kB
                 try:
                     msg = json.loads(line)
                     got[int(msg.pop("rank"))] = msg
@@ -133,8 +139,8 @@ def send_report(launch: idr_torch.Launch, facts: dict, timeout: float = 120.0) -
         conn.sendall((json.dumps({"rank": launch.rank, **facts}) + "\n").encode())
         conn.settimeout(timeout + 30)
         with conn.makefile("rb") as f:
-            verdict = f.readline().strip()
-    return int(verdict) if verdict.isdigit() else 1
+            verdict = f.readline(64).strip().decode("ascii", "replace")
+    return whole_number(verdict) if whole_number(verdict) is not None and whole_number(verdict) < 256 else 1
 
 
 def check_in_step(launch: idr_torch.Launch, training: Training,
@@ -163,7 +169,8 @@ def check_in_step(launch: idr_torch.Launch, training: Training,
     dedupe_findings(findings)
     report = Report(job, training, plans, findings)
     if any(not p.cpu for p in plans):
-        job.gpu_mem_seen = gpus_memory_here()
+        job.gpu_mem_seen, why = gpus_memory_here()
+        report.notes += [why] if why else []
     gpn = job.gpus_per_node
     if gpn:
         check_gpu_request(job, gpn, findings)

@@ -137,9 +137,9 @@ class Arg:
             return f"{self.flag} {raw!r} is not one of {', '.join(self.choices)}; e.g. {self.flag} {self.example()}"
         try:
             float(raw)
-            shown = raw
+            shown = raw if len(raw) <= 40 else f"{raw[:20]}...({len(raw)} characters)"  # 5,000 digits: their start
         except ValueError:
-            shown = repr(raw)
+            shown = repr(raw if len(raw) <= 40 else raw[:20] + "...")
         why = f" ({self.why})" if self.why else ""
         return f"{self.flag} {shown} must be {self.range_text()}{why}; e.g. {self.flag} {self.example()}"
 
@@ -149,6 +149,8 @@ class Arg:
             return bool(raw), None
         if self.group in ("files", "own") and not str(raw).strip():  # '' would silently mean "none": no save, no record
             return None, (f"{self.flag} {raw!r} is an empty path; give a file or folder, or leave {self.flag} out")
+        if self.kind in (int, float, gpu_indices) and not str(raw).isascii():  # int() takes '٣' for 3 (issue 42)
+            return None, self.refusal(raw)
         try:
             value = self.kind(raw)
         except ValueError:

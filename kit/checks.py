@@ -1,7 +1,7 @@
 """Checking a job: every task's plan (the kit's trainer in depth), then the whole; any other program at the
-Slurm and site level; the launchers' agents and workers. Owns: check_job. Imports: kit.arguments, kit.findings,
-kit.plan, kit.memory, kit.releases, kit.trainer_checks, kit.slurm, kit.placement, kit.site, kit.shell, kit.jobscript,
-kit.report, kit.own_model and kit.own_split (--model only: torch).
+Slurm and site level; the launchers' agents and workers. Owns: check_job. Imports: kit.arguments, kit.bounded,
+kit.findings, kit.plan, kit.memory, kit.releases, kit.trainer_checks, kit.slurm, kit.placement, kit.site, kit.shell,
+kit.jobscript, kit.report, kit.own_model and kit.own_split (--model only: torch).
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import copy
 import re
 from dataclasses import replace
 
+from kit.bounded import whole_number
 from kit.arguments import CPU_DEFAULTS, GPU_DEFAULTS, TRAINERS, Training, model_args
 from kit.findings import Findings, UsageError
 from kit.jobscript import LaunchLine, apply_step, workers_of
@@ -19,8 +20,8 @@ from kit.plan import TaskPlan, page_indexing, plan_task
 from kit.releases import torch_version_of
 from kit.report import Report
 from kit.shell import PER_TASK
-from kit.site import (JEAN_ZAY, check_cpus, check_engine, check_jean_zay, check_live, check_nodes, check_time,
-    gpu_memory, is_v100, node_cap, node_type)
+from kit.site import (ASSOC_COMMAND, JEAN_ZAY, check_cpus, check_engine, check_jean_zay, check_live, check_nodes,
+    check_time, gpu_memory, is_v100, node_cap, node_type)
 from kit.slurm import Job, too_many_tasks
 from kit.trainer_checks import check_bubble, check_stage, check_training, choice_list, divisors
 
@@ -88,8 +89,8 @@ def task_ranks(job: Job, per_node: list[int], findings: Findings) -> dict[tuple[
     torchrun numbers its workers node by node (block) whatever srun does."""
     dist = (job.distribution or "block").lower() if job.workers is None else "block"
     base = dist.split(":")[0].split(",")[0]
-    deal = 1 if base == "cyclic" else int(dist.split("=")[1]) if re.fullmatch(r"plane=\d+", base) and \
-        int(dist.split("=")[1]) > 0 else max(per_node) if base in ("block", "*", "") else None
+    plane = whole_number(base[6:]) if base.startswith("plane=") else None  # ASCII digits, bounded (kit.bounded)
+    deal = 1 if base == "cyclic" else plane if plane else max(per_node) if base in ("block", "*", "") else None
     if deal is None:
         findings.warn("distribution-not-modelled", f"{job.option_lines.get('distribution', 'srun')}: "
                       f"--distribution={job.distribution}: which task runs where is given by a node list here, not "
@@ -159,16 +160,24 @@ def own_model_split(report: Report, nb_part: int, cpu: bool) -> None:
 
 def check_site(job: Job, tasks_per_node: list[int], gpus_per_task: int, gpn: int | None, findings: Findings) -> None:
     """The cores, the time, the nodes and the site's accounts, QoS and modules: the same for every program. The
-    account, QoS and time limits are the dated table's, or Slurm's own read here (check_live), or none (--site)."""
+    account, QoS and time limits are the dated table's, or Slurm's own read here (check_live), or none (--site).
+    Where Slurm answered but its accounting (slurmdbd) did not, the partitions are Slurm's and the QoS, account and
+    time limits the table's, worded as the table's (issue 42: a slow database is not "no limits")."""
     check_cpus(job, gpus_per_task, tasks_per_node, findings)
     live = job.site_rules == "live" and job.site is not None
-    check_time(job, findings, limits=job.site_rules == "jean-zay")
+    table = job.site_rules == "jean-zay" or (live and bool(job.site.accounting_problem))
+    check_time(job, findings, limits=table)
     check_nodes(job, findings)
     gpus, cores = (gpn or 0) * len(tasks_per_node) or None, sum(tasks_per_node) * (job.cpus_per_task or 1)
     if live:
         check_live(job, job.site, gpus, cores, findings)
+    if live and job.site.accounting_problem and job.time != "allocated":
+        findings.warn("accounting-unread", f"Slurm's accounting here did not answer ({job.site.accounting_problem}):"
+                      f" {', '.join(w for w, v in (('--account', job.account), ('--qos', job.qos)) if v) or 'the job'}"
+                      " and its time were judged by Jean Zay's documented table, not by your associations and QoS: "
+                      f"check again when slurmdbd answers, or ask it yourself (`{ASSOC_COMMAND}`)")
     if job.site_rules != "none":
-        check_jean_zay(job, findings, gpus_asked=gpus, cores_asked=cores, table_qos=not live)
+        check_jean_zay(job, findings, gpus_asked=gpus, cores_asked=cores, table_qos=table)
 
 
 def check_steps_cpus(job: Job, findings: Findings) -> None:
@@ -426,8 +435,8 @@ def deepspeed_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | Non
                                "not modelled")
         return False, None
     count = opts.get("num-gpus") or opts.get("num-accelerators")
-    workers = int(count) if count and count.isdigit() and int(count) > 0 else (len(view) if gpn else None)
-    asked = int(opts["num-nodes"]) if (opts.get("num-nodes") or "").isdigit() else None
+    workers = whole_number(count or "") or (len(view) if gpn else None)
+    asked = whole_number(opts.get("num-nodes") or "")
     if asked and asked > 1:
         findings.error("launcher-nodes-mismatch", f"{where}: deepspeed --num_nodes={asked} without a hostfile: it "
                        "refuses to start ('Num nodes is >1 but no extra nodes available via hostfile'); give it a "
@@ -447,12 +456,12 @@ def accelerate_workers(job: Job, launch: "LaunchLine", nodes: int, gpn: int | No
     if (opts.get("rdzv-backend") or "static") == "static":  # passed to torchrun as --node_rank (launch.py)
         check_node_rank(launch, "machine_rank", nodes, "--rdzv_backend c10d", findings)
     procs, machines = opts.get("num-processes"), opts.get("num-machines") or "1"
-    if not (procs or "").isdigit() or not machines.isdigit():
+    if whole_number(procs or "") is None or whole_number(machines) is None:
         layout["notes"].append(f"{where}: accelerate launch without a known --num_processes"
                                + (f" (--config_file {opts['config-file']})" if opts.get("config-file") else "")
                                + ": its configuration file decides the processes, not modelled")
         return False, None
-    procs, machines = int(procs), max(1, int(machines))
+    procs, machines = whole_number(procs), max(1, whole_number(machines))
     if procs % machines:
         findings.error("launcher-nodes-mismatch", f"{where}: accelerate --num_processes={procs} is not a multiple of "
                        f"--num_machines={machines}: it starts {procs // machines} per machine and the world size "
@@ -468,8 +477,8 @@ def nodes_expected(nnodes: str | None, standalone: bool) -> tuple[int, int] | No
     """torchrun's --nnodes N or MIN:MAX (default 1:1) as (fewest, most) agents it runs with, None when unknown."""
     if standalone or nnodes is None:
         return 1, 1
-    m = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes)
-    return (int(m.group(1)), int(m.group(2) or m.group(1))) if m else None
+    m = re.fullmatch(r"([0-9]+)(?::([0-9]+))?", nnodes)
+    return (whole_number(m.group(1)), whole_number(m.group(2) or m.group(1))) if m else None
 
 
 def node_cores(job: Job) -> int | None:

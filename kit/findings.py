@@ -135,6 +135,8 @@ CATCHES = {
                      "QoS the table does not know (qos_gpu-gc, a project's grant: a warning naming sacctmgr)"),
     "qos-limit": ("error", "more GPUs (or cores) than the QoS allows a job (or, live, a user)"),
     "partition-unknown": ("error", "-p names no partition of Slurm's configuration here (--site live)"),
+    "accounting-unread": ("warning", "Slurm answered but its accounting (slurmdbd) did not in time: the QoS, account "
+                          "and time were judged by the table, not by your associations"),
     "engine-unavailable": ("error", "--engine torch-pipe with a pytorch-gpu/py3/2.4+ module"),
     "torch-too-old": ("error", "bench_stage.py with a pytorch-gpu/py3 module older than 2.4"),
     # memory (the section *Will it fit?*)

@@ -1,7 +1,7 @@
 """Reading a job script: the file, sbatch's directives, then bash's run of it (kit.shell), then its launch
 lines (which program, through srun and which launcher) and the kit trainer's line.
-Owns: read_sbatch, the launchers' option tables. Imports: kit.arguments, kit.findings, kit.releases, kit.shell,
-kit.slurm.
+Owns: read_sbatch, the launchers' option tables. Imports: kit.arguments, kit.bounded, kit.findings, kit.releases,
+kit.shell, kit.slurm.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kit.arguments import ARG, SCRIPTS, TRAINERS, Training, read_trainer_argv, set_values
+from kit.bounded import kind_of, read_fd, whole_number
 from kit.findings import Finding, Findings, UsageError
 from kit.releases import torch_version_of
 from kit.shell import HereDoc, PER_TASK, Ran, ShellRun, StopScript, TooComplex, UNKNOWN
@@ -26,45 +27,34 @@ from kit.slurm import (COUNT_LIMITS, Job, apply_option, apply_srun_option, check
 # (22.05 src/slurmctld/job_mgr.c, _test_job_desc_fields); the checker reads no more than that.
 MAX_SCRIPT_BYTES = 4 * 2 ** 20
 
+PIPE_SECONDS = 2.0  # what a pipe given as the script (/dev/stdin, <(...)) may take to say everything
+
 
 def read_script_text(path: str | os.PathLike) -> tuple[str, bool]:
     """The script's text and whether it is longer than slurmctld accepts. Only a regular file or a pipe is read,
     at most MAX_SCRIPT_BYTES + 1 bytes of it: a device (/dev/zero) never ends, and a FIFO nobody writes to never
     opens for a plain open()."""
-    import select
     import stat
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    kind = next((name for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                                         (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-                 if test(mode)), None)
-    if kind:
-        raise UsageError(f"cannot read {path}: it is {kind}, not a job script; give the script's file")
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        raise UsageError(f"cannot read {path}: it is {kind_of(mode)}, not a job script; give the script's file")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    chunks, size, deadline = [], 0, time.monotonic() + 2.0  # a pipe's writer gets 2 s to say everything
-    try:
-        while size <= MAX_SCRIPT_BYTES:
-            try:
-                chunk = os.read(fd, min(1 << 16, MAX_SCRIPT_BYTES + 1 - size))
-            except BlockingIOError:
-                if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                    raise UsageError(f"cannot read {path}: nothing more came through the pipe within 2 s; save the "
-                                     "script to a file and check that") from None
-                continue
-            except OSError as exc:
-                raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+    try:  # a pipe's writer gets PIPE_SECONDS in all (kit.bounded.read_fd: a total, not an idle time)
+        data, why = read_fd(fd, MAX_SCRIPT_BYTES, time.monotonic() + PIPE_SECONDS)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
-    return b"".join(chunks)[:MAX_SCRIPT_BYTES].decode("utf-8", errors="replace"), size > MAX_SCRIPT_BYTES
+    if why:
+        raise UsageError(f"cannot read {path}: the pipe did not end within {PIPE_SECONDS:g} s; save the script to a "
+                         "file and check that")
+    return data[:MAX_SCRIPT_BYTES].decode("utf-8", errors="replace"), len(data) > MAX_SCRIPT_BYTES
 
 
 def read_directive(line: str, magic: str, where: str, job: Job, findings: Findings) -> None:
@@ -613,8 +603,8 @@ def apply_step(job: Job, launch: LaunchLine, findings: Findings) -> None:
     for name, value in launch.srun or []:
         apply_srun_option(job, name, value, launch.where, findings)
     cpus = launch.env.get("SRUN_CPUS_PER_TASK")
-    if job.step_cpus_per_task is None and cpus and cpus.isdigit():
-        job.step_cpus_per_task = int(cpus)
+    if job.step_cpus_per_task is None and cpus and whole_number(cpus) is not None:
+        job.step_cpus_per_task = whole_number(cpus)
     job.srun_cpus = job.step_cpus_per_task is not None or "SRUN_CPUS_PER_TASK" in launch.env or any(
         n == "cpus-per-task" for n, _ in launch.srun or [])
 
@@ -625,6 +615,6 @@ def workers_of(launch: LaunchLine) -> int | str | None:
     value = launch.options.get("nproc-per-node", "1") or "1"
     if "$" in value:
         return None
-    if value.isdigit():
-        return int(value) if int(value) <= COUNT_LIMITS["ntasks-per-node"] else None
+    if whole_number(value) is not None:  # ASCII digits, bounded: thousands of them are one finding, no traceback
+        return whole_number(value) if whole_number(value) <= COUNT_LIMITS["ntasks-per-node"] else None
     return value.lower() if value.lower() in ("gpu", "auto", "cpu") else None

@@ -15,7 +15,7 @@ part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transfo
 itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers). Its options
 are the trainers' own (kit.arguments), with their defaults, and a few of its own.
 Owns: the measurement (measure, layer_costs, its cache), describe, the command. Imports: kit.advise, kit.arguments,
-kit.findings, kit.layer_memory, kit.memory, kit.model, kit.schedules, kit.site, kit.train.errors, kit.train.options,
+kit.bounded, kit.findings, kit.layer_memory, kit.memory, kit.model, kit.schedules, kit.site, kit.train.errors, kit.train.options,
 kit.trainer_checks (torch: only in this mode, never on the checker's plain path).
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch.nn as nn
 from kit.advise import GPUS, advise_layers, advise_layers_text, gpu_of
 from kit.arguments import (ARG, CPU_NB_PART, PRECISIONS, SCRIPTS, ArgumentError, Training, add_options, given_values,
     model_args, set_values)
+from kit.bounded import FileProblem, read_regular
 from kit.findings import Findings, refusal_text
 from kit.layer_memory import estimate_peaks, one_stage_a_task
 from kit.memory import GIB, NotEstimated
@@ -295,10 +296,10 @@ def layer_costs(spec: str, sample: str, use_cache: bool = True) -> list[LayerCos
         x = sample_batch(sample)()
         source += repr((tuple(x.shape), str(x.dtype)))
     path = cache_path(spec, sample, source)
-    if use_cache and path.is_file():
-        try:
-            return [LayerCost(**c) for c in json.loads(path.read_text())]
-        except (ValueError, TypeError, OSError):
+    if use_cache and os.path.lexists(path):
+        try:  # a regular file, bounded (kit.bounded.read_regular: a FIFO there would block, /dev/zero fill memory)
+            return [LayerCost(**c) for c in json.loads(read_regular(path, 16 * 2 ** 20, nofollow=True)[0])]
+        except (FileProblem, ValueError, TypeError, OSError, RecursionError):
             pass  # damaged: measured again
     costs = measure(spec, sample)
     if use_cache:

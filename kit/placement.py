@@ -1,10 +1,11 @@
 """Where Slurm 22.05 puts the tasks and which GPUs each task sees (measured on the local test cluster:
-tests/test_placement_slurm.py). Owns: the placement rules. Imports: kit.findings, kit.slurm, kit.site.
+tests/test_placement_slurm.py). Owns: the placement rules. Imports: kit.bounded, kit.findings, kit.slurm, kit.site.
 """
 from __future__ import annotations
 
 import re
 
+from kit.bounded import whole_number
 from kit.findings import Findings
 from kit.site import JEAN_ZAY, node_cap, node_type
 from kit.slurm import Job
@@ -22,13 +23,13 @@ def gpu_view(job: Job, local_rank: int, tasks_on_node: int, gpus_on_node: int,
         ids = [x for x in bind.split(":", 1)[1].split(",") if x]
         entry = ids[local_rank % len(ids)]
         return [entry.split("*")[0]]
-    if bind.startswith("per_task:") and bind.split(":", 1)[1].isdigit() and int(bind.split(":", 1)[1]) > 0:
-        n = int(bind.split(":", 1)[1])
+    if bind.startswith("per_task:") and whole_number(bind.split(":", 1)[1]):  # ASCII digits, bounded (kit.bounded)
+        n = whole_number(bind.split(":", 1)[1])
         return everything[local_rank * n:(local_rank + 1) * n]
-    if bind.startswith("single:") and bind.split(":", 1)[1].isdigit() and int(bind.split(":", 1)[1]) > 0:
+    if bind.startswith("single:") and whole_number(bind.split(":", 1)[1]):
         # one GPU per task, N tasks per GPU, the first GPU with room (srun(1) --gpu-bind): which one also depends
         # on the task's socket, so the ids are the order without NUMA; the count is exact
-        return [everything[local_rank // int(bind.split(":", 1)[1]) % len(everything)]] if everything else []
+        return [everything[local_rank // whole_number(bind.split(":", 1)[1]) % len(everything)]] if everything else []
     if bind in ("", "none") and job.gpus_per_task and bind != "none":
         g = job.gpus_per_task
         return everything[local_rank * g:(local_rank + 1) * g]

@@ -1,11 +1,13 @@
 """The report: the checker's text and --json output of a job's findings and its plan.
-Owns: Report. Imports: kit.arguments, kit.findings, kit.plan, kit.schedules, kit.slurm, kit.trainer_checks.
+Owns: Report. Imports: kit.arguments, kit.bounded, kit.findings, kit.plan, kit.schedules, kit.slurm,
+kit.trainer_checks.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from kit.arguments import Training
+from kit.bounded import printable
 from kit.findings import Findings
 from kit.plan import TaskPlan, part_contents
 from kit.slurm import Job
@@ -84,4 +86,6 @@ class Report:
             lines += [f"  {f}" for f in self.findings]
         e, w = len(self.findings.errors), len(self.findings) - len(self.findings.errors)
         lines.append(f"  => {'OK' if self.ok else 'NOT OK'}: {e} error(s), {w} warning(s)")
-        return "\n".join(lines)
+        # what a line quotes from Slurm's answers or the script (a partition named with a terminal escape, a
+        # million names) is printed without control characters and cut to kit.bounded.LINE_CHARS (issue 42)
+        return "\n".join(printable(line) for line in lines)

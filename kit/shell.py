@@ -1,11 +1,13 @@
 """bash, far enough to check a job script: the lexer (quotes, expansions, operators, here-documents), the
 grammar (which commands run, in which order, under which conditions), and a run in the mind (what each variable
-holds at each command), within a work budget. Owns: the shell reading. Imports: nothing of the kit.
+holds at each command), within a work budget. Owns: the shell reading. Imports: kit.bounded.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+from kit.bounded import whole_number
 
 
 
@@ -80,8 +82,9 @@ class ShellLexer:
 
     MAX_TOKENS = 50_000
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, limit: int | None = None) -> None:
         self.s, self.i, self.line = text, 0, 1
+        self.limit = self.MAX_TOKENS if limit is None else limit  # a nested lexer's: what is left of the budget
         self.tokens: list = []
         self.heredocs: list[HereDoc] = []
         self.pending: list[tuple[str, bool]] = []
@@ -131,7 +134,7 @@ class ShellLexer:
 
     def spent(self) -> bool:
         """Past MAX_TOKENS: the reading stops here (the rest of the text is left)."""
-        if self.count < self.MAX_TOKENS:
+        if self.count < self.limit:
             return False
         self.cut, self.i = self.cut or self.line, len(self.s)
         return True
@@ -524,10 +527,17 @@ class ShellBudget:
     hundred bytes can ask for more than any budget: a function that calls itself ten times, 8 calls deep, is 10^8
     calls; a value doubled on each of 40 lines is 2^40 bytes. Past the budget, TooComplex stops the reading at the
     line being run, and what was read up to there stands. Measured on the worst scripts tried (docs/faults.md): a
-    few tenths of a second and under 100 MB."""
+    few tenths of a second and under 100 MB.
+    A step is a unit of cost, not a count of commands (issue 42: one step multiplied 4,299-digit numbers 490 times,
+    or compiled a 1,000-character expression, or lexed a 100 kB array body again): a piece of work that reads text
+    costs a step per CHARS characters of it (ARITHMETIC_CHARS for an arithmetic expression, which Python parses and
+    compiles), and a lexer run inside the reading (an array's body, eval's and bash -c's text, a default value)
+    costs its own lexer steps, stopping where the budget does. One step is about 10 microseconds here."""
 
     STEPS = 50_000
     BYTES = 32 * 2 ** 20
+    CHARS = 1000  # characters matched by a regular expression per step (a few ns each)
+    ARITHMETIC_CHARS = 5  # characters of an arithmetic expression parsed and compiled per step (about 1.2 us each)
 
     def __init__(self) -> None:
         self.steps = self.bytes = 0
@@ -537,9 +547,14 @@ class ShellBudget:
         self.steps += steps
         self.bytes += nbytes
         if self.steps > self.STEPS:
-            raise TooComplex(self.line, f"more than {self.STEPS} commands and expansions to follow")
+            raise TooComplex(self.line, f"more than {self.STEPS} steps of work to follow (commands, expansions, "
+                             "arithmetic, text read again)")
         if self.bytes > self.BYTES:
             raise TooComplex(self.line, f"its variables' values grow past {self.BYTES >> 20} MiB")
+
+    def left(self) -> int:
+        """The steps left: a nested lexer's limit."""
+        return max(1, self.STEPS - self.steps + 1)
 
     def value(self, value) -> None:
         """Spend what a value just made holds (pieces, or an Arr of pieces)."""
@@ -558,6 +573,7 @@ class ShellRun:
                  budget: ShellBudget | None = None) -> None:
         self.budget = budget or ShellBudget()
         self.top = budget is None  # the script's own shell (not eval's or bash -c's text): it tells the line
+        self.budget.spend(len(variables) // 100)  # bash -c's shell: the exported variables, copied
         self.cut: TooComplex | None = None  # where the budget stopped the reading
         self.vars: dict = dict(variables)
         self.exported = set(variables) if exported is None else set(exported)
@@ -565,6 +581,15 @@ class ShellRun:
         self.positional: list | None = None  # the script's own $1 ... are unknown (sbatch job.slurm ARGS)
         self.sink, self.conditional, self.calls, self.nesting = sink, 0, 0, 0
         self.sourced: list[str] = []
+        self.arrays: dict[str, list] = {}  # an array body's tokens, lexed once (a function assigns it at each call)
+        self._srun: tuple[int, list[str]] = (-1, [])  # srun_exported's list, and the count of names it was made from
+
+    def lex(self, text: str) -> "ShellLexer":
+        """A lexer run inside the reading (eval's and bash -c's text, an array's body), charged to the budget: its
+        steps are the budget's, and it stops where the budget does (TooComplex)."""
+        lexer = ShellLexer(text, limit=self.budget.left()).run()
+        self.budget.spend(lexer.count)
+        return lexer
 
     @staticmethod
     def known(text: str) -> list:
@@ -596,7 +621,7 @@ class ShellRun:
                 return Arr(list(p) for p in self.positional)
             if name == "#":
                 return self.known(str(len(self.positional)))
-            k = int(name)
+            k = whole_number(name)  # ${99999...}: 5,000 digits are no traceback
             return list(self.positional[k - 1]) if 0 < k <= len(self.positional) else []
         value = self.vars.get(name, UNKNOWN)
         if value is UNKNOWN or index is None:
@@ -608,21 +633,27 @@ class ShellRun:
         return UNKNOWN if n is None else (items[n] if 0 <= n < len(items) else [])
 
     def arith(self, expr: str) -> int | None:
-        """bash's integer $(( )) with the variables this reading knows; None when it cannot tell."""
+        """bash's integer $(( )) with the variables this reading knows; None when it cannot tell. bash computes in 64
+        bits: an operand of more than 19 digits is left unknown (a variable of 4,299 digits multiplied 490 times took
+        78 s), and the expression, its variables put in, costs a step per ARITHMETIC_CHARS characters (compiling
+        it is the cost: a 1,000-character one 1.2 ms)."""
         import ast
-        self.budget.spend(1)
+        self.budget.spend(1 + len(expr) // ShellBudget.ARITHMETIC_CHARS)
         if len(expr) > self.MAX_ARITHMETIC:
             return None
 
         def value(m: re.Match) -> str:
             text = self.text_of(self.lookup(m.group(1) or m.group(2)))
-            if text is None or not re.fullmatch(r"\s*-?\d*\s*", text):
+            if text is None or not re.fullmatch(r"[ \t\n]*-?[0-9]{0,19}[ \t\n]*", text[:64]):
                 raise ValueError(m.group(0))
             return f"({text.strip() or '0'})"
         try:
             src = re.sub(r"\$\{?([A-Za-z_]\w*)\}?|\b([A-Za-z_]\w*)\b", value, expr)
+            self.budget.spend(len(src) // ShellBudget.ARITHMETIC_CHARS)
+            if re.search(r"[0-9]{20}", src):  # a literal past 64 bits: bash's result is not Python's
+                return None
             tree = ast.parse(src.replace("/", "//").strip() or "0", mode="eval")
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
             return None
         allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv,
                    ast.Mod, ast.USub, ast.UAdd)
@@ -631,13 +662,13 @@ class ShellRun:
             return None
         try:  # only integer literals and + - * // % are left: nothing here can run code or grow without bound
             result = eval(compile(tree, "<arithmetic>", "eval"), {"__builtins__": {}})
-        except ArithmeticError:
+        except (ArithmeticError, RecursionError):
             return None
         return result if abs(result) < 2 ** 63 else None
 
     def expansion(self, raw: str):
         """The value of one expansion as written ($X, ${X:-d}, ${A[1]}, $((1+2)), ...), or UNKNOWN."""
-        self.budget.spend(1)
+        self.budget.spend(1 + len(raw) // ShellBudget.CHARS)
         if raw.startswith("$((") and raw.endswith("))"):
             n = self.arith(raw[3:-2])
             return UNKNOWN if n is None else self.known(str(n))
@@ -645,13 +676,14 @@ class ShellRun:
                          r"(?:(:?[-=+?])(.*))?\})", raw, re.S)
         if raw == "$":
             return self.known("$")
-        sliced = re.fullmatch(r"\$\{([@*])(?::(\d+))(?::(\d+))?\}", raw)  # ${@:2}, ${@:2:3}: positional slices
+        sliced = re.fullmatch(r"\$\{([@*])(?::([0-9]+))(?::([0-9]+))?\}", raw)  # ${@:2}, ${@:2:3}: positional slices
         if sliced:
             args = self.lookup(sliced.group(1))
             if args is UNKNOWN:
                 return UNKNOWN
-            start = int(sliced.group(2)) - 1 if int(sliced.group(2)) else 0
-            end = start + int(sliced.group(3)) if sliced.group(3) else None
+            first = whole_number(sliced.group(2))
+            start = first - 1 if first else 0
+            end = start + whole_number(sliced.group(3)) if sliced.group(3) else None
             return Arr(args[max(0, start):end])
         if not m:
             return UNKNOWN  # $(command), `command`, <(...), ${X%pattern} ...
@@ -684,7 +716,9 @@ class ShellRun:
         self.budget.spend(1, len(text))
         if self.nesting >= self.MAX_CALLS:
             return UNKNOWN
-        word = ShellLexer('"' + text.replace('"', '\\"') + '"').word(emit=False)
+        lexer = ShellLexer('"' + text.replace('"', '\\"') + '"', limit=self.budget.left())
+        word = lexer.word(emit=False)
+        self.budget.spend(lexer.count)  # a default of 100,000 pieces is 100,000 steps, at each expansion
         self.nesting += 1
         try:
             return self.scalar(word) if word else []
@@ -821,8 +855,11 @@ class ShellRun:
 
     def assign(self, name: str, append: str, value_word: Word) -> None:
         if value_word.parts and value_word.parts[0][0] == "array":
-            self.budget.spend(1, len(value_word.parts[0][1]))
-            inner = ShellLexer(value_word.parts[0][1]).run().tokens
+            body = value_word.parts[0][1]
+            self.budget.spend(1, len(body))
+            if body not in self.arrays:  # lexed once, its steps charged (a function assigning it is called often)
+                self.arrays[body] = self.lex(body).tokens
+            inner = self.arrays[body]
             value = Arr(self.known(f) if "$" not in f else [(f, False)]
                         for w in inner if isinstance(w, Word) for f in self.fields(w))
         else:
@@ -872,7 +909,7 @@ class ShellRun:
             self.positional = [[(a, "$" not in a)] for a in args[1:]]
             return
         if cmd == "shift" and self.positional:
-            self.positional = self.positional[int(args[0]) if args and args[0].isdigit() else 1:]
+            self.shift(args)
             return
         if cmd == "exit":
             if not self.conditional:
@@ -891,8 +928,21 @@ class ShellRun:
                 self.positional, self.calls, self.conditional = saved, self.calls - 1, self.conditional - 1
             return
         env = {name: self.text_of(self.scalar(value)) for name, _, value in prefix if name.startswith("SRUN_")}
-        exported = {n: self.text_of(self.vars.get(n, UNKNOWN)) for n in self.exported if n.startswith("SRUN_")}
+        exported = {n: self.text_of(self.vars.get(n, UNKNOWN)) for n in self.srun_exported()}
         self.sink(Ran(fields, env, node.line, self.conditional > 0, {**exported, **env}))
+
+    def srun_exported(self) -> list[str]:
+        """The exported SRUN_ variables (srun reads them), looked up again only when a name was exported since: 10,000
+        exported names looked through at each of 15,000 commands took 3.6 s."""
+        if self._srun[0] != len(self.exported):  # names are only ever added
+            self._srun = (len(self.exported), [n for n in self.exported if n.startswith("SRUN_")])
+        return self._srun[1]
+
+    def shift(self, args: list[str]) -> None:
+        """shift [N]: N read bounded (ASCII digits; `shift 99999...` is no traceback); the list is copied, paid for."""
+        self.budget.spend(len(self.positional) // 100)
+        n = whole_number(args[0]) if args else 1
+        self.positional = self.positional[1 if n is None else n:]
 
     def eval(self, args: list[str]) -> None:
         """eval: its words as a script; an eval of itself goes as deep as functions do (MAX_CALLS), no deeper."""
@@ -906,8 +956,7 @@ class ShellRun:
     def run_text(self, text: str) -> None:
         """A piece of shell given as a string (eval, bash -c): parsed and run here."""
         self.budget.spend(1, len(text))
-        lexer = ShellLexer(text).run()
-        self.budget.spend(len(lexer.tokens))
+        lexer = self.lex(text)
         self.run(ShellParser(lexer.tokens).parse_list())
 
     def run_script(self, text: str) -> ShellLexer:

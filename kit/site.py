@@ -1,7 +1,7 @@
 """The site: Jean Zay in one dated table (node types, partitions, constraints, GPUs, cores, hours, QoS, modules),
 and the same checks against Slurm's own configuration where it answers (kit.site_slurm reads it; --site).
-Owns: JEAN_ZAY and its date, how a site finding is worded. Imports: kit.arguments, kit.findings, kit.releases,
-kit.slurm.
+Owns: JEAN_ZAY and its date, how a site finding is worded. Imports: kit.arguments, kit.bounded, kit.findings,
+kit.releases, kit.slurm.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from kit.arguments import Training
+from kit.bounded import listed, number_shown
 from kit.findings import Findings
 from kit.releases import torch_refusals, torch_version_of, version_tuple
 from kit.slurm import HINTS, Job, time_minutes, value_tokens
@@ -240,12 +241,14 @@ def check_time(job: Job, findings: Findings, limits: bool = True) -> None:
         return
     minutes = time_minutes(job.time)
     if minutes is None:
-        findings.error("bad-time", f"--time={job.time!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
+        findings.error("bad-time", f"--time={number_shown(job.time, 40)!r} is not a Slurm time (MM, HH:MM:SS or "
+                       "D-HH:MM:SS)")
         return
     if t is None or not limits:
         return  # a partition that isn't Jean Zay's, or the limits are Slurm's own (check_live) or not judged
     family, level = qos_of(job)
     shown = "unlimited" if minutes == float("inf") else f"{minutes / 60:.1f} h"
+    written = number_shown(job.time, 40)  # 5,000 digits are quoted by their start and length
     implicit = False
     if t.qos and level in t.qos_hours and family in t.qos:
         limit, name = t.qos_hours[level], job.qos
@@ -263,12 +266,12 @@ def check_time(job: Job, findings: Findings, limits: bool = True) -> None:
         fix = (f"add --qos={t.qos[0]}-{longer[0]} (up to {t.qos_hours[longer[0]]} h)" if longer else
                f"use --time <= {max(list(t.qos_hours.values()) or [t.max_hours]):g}:00:00 and resume from a checkpoint")
         if implicit and minutes <= t.max_hours * 60:  # a project's association may default to a longer QoS
-            findings.warn("time-over-qos", f"--time={job.time} ({shown}) is over the {limit:g} h of {name}, "
+            findings.warn("time-over-qos", f"--time={written} ({shown}) is over the {limit:g} h of {name}, "
                           f"{TABLE_SAYS}: Slurm won't run a job left on it (refused, or pending with "
                           f"QOSMaxWallDurationPerJobLimit); {fix}, "
                           f"unless your association's default QoS is longer (`{ASSOC_COMMAND}`)")
         else:
-            findings.error("time-over-qos", f"--time={job.time} ({shown}) is over the {limit:g} h of {name}, "
+            findings.error("time-over-qos", f"--time={written} ({shown}) is over the {limit:g} h of {name}, "
                            f"{TABLE_SAYS}: Slurm won't run the job; {fix}")
 
 
@@ -363,7 +366,7 @@ def check_live(job: Job, facts, gpus: int | None, cores: int | None, findings: F
     unknown = [p for p in names if p not in facts.partitions]
     if unknown:
         findings.error("partition-unknown", f"-p {unknown[0]} is not a partition of {here}: "
-                       f"{fate('partition', '')}; use one of {', '.join(sorted(facts.partitions))}")
+                       f"{fate('partition', '')}; use one of {listed(sorted(facts.partitions))}")
         return
     part = facts.partitions[names[0]] if names else None
     qos = live_qos(job, facts, names[0] if names else "", here, findings)
@@ -375,8 +378,8 @@ def check_live(job: Job, facts, gpus: int | None, cores: int | None, findings: F
         # is set (then sbatch refuses 'Invalid qos specification'): measured, tests/site_cases.py
         refused = "qos" if facts.enforce_part_limits.upper() in ("ANY", "ALL", "YES") else None
         findings.error("qos-mismatch", f"QoS {qos}{'' if job.qos else ' (your association default)'} is not allowed "
-                       f"on partition {names[0]} in {here} (AllowQos={allow}): {fate(refused, 'allow_qos')}; use one "
-                       f"of {allow}" + ("" if job.qos else " with --qos"))
+                       f"on partition {names[0]} in {here} (AllowQos={listed(allow.split(','))}): "
+                       f"{fate(refused, 'allow_qos')}; use one of them" + ("" if job.qos else " with --qos"))
         return
     live_limits(job, facts, part, names[0] if names else "", qos, gpus, cores, here, findings)
 
@@ -388,7 +391,7 @@ def live_qos(job: Job, facts, partition: str, here: str, findings: Findings):
     accounts = sorted({a["account"] for a in assocs})
     if job.account and facts.enforces("associations") and job.account.lower() not in accounts:
         findings.error("account-mismatch", f"--account={job.account} is none of your associations in {here} "
-                       f"({', '.join(accounts) or 'none'}): {fate('account', '')}; `{ASSOC_COMMAND}` lists them")
+                       f"({listed(accounts) or 'none'}): {fate('account', '')}; `{ASSOC_COMMAND}` lists them")
         return False
     account = (job.account or facts.default_account).lower()  # sbatch(1) --account: else the user's default
     mine = [a for a in assocs if not account or a["account"] == account]
@@ -397,7 +400,7 @@ def live_qos(job: Job, facts, partition: str, here: str, findings: Findings):
         return next((a["default_qos"] for a in mine if a["default_qos"]), None)
     if facts.enforces("qos") and job.qos.lower() not in allowed:
         findings.error("qos-mismatch", f"--qos={job.qos} is not among your QoS in {here}"
-                       f"{' for --account=' + job.account if job.account else ''} ({', '.join(allowed) or 'none'}): "
+                       f"{' for --account=' + job.account if job.account else ''} ({listed(allowed) or 'none'}): "
                        f"{fate('qos', '')}; use one of them, or ask for it (`{ASSOC_COMMAND}` lists yours)")
         return False
     return job.qos.lower()
@@ -412,7 +415,8 @@ def live_limits(job: Job, facts, part: dict | None, partition: str, qos: str | N
     minutes = time_minutes(job.time) if job.time else None
     wall = time_minutes(q["max_wall"]) if q and q["max_wall"] else None
     longest = time_minutes(part["max_time"]) if part and part["max_time"] else None
-    shown = f"--time={job.time} ({minutes / 60:.1f} h)" if minutes and minutes != float("inf") else f"--time={job.time}"
+    written = number_shown(job.time or "", 40)
+    shown = f"--time={written} ({minutes / 60:.1f} h)" if minutes and minutes != float("inf") else f"--time={written}"
     if minutes and wall and minutes > wall and "PartitionTimeLimit" not in (q or {}).get("flags", ""):
         findings.error("time-over-qos", f"{shown} is over QoS {qos}'s MaxWall {q['max_wall']} in {here}: "
                        f"{fate(deny, 'wall')}; use --time <= {q['max_wall']} or a QoS of yours that allows it")

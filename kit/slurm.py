@@ -1,6 +1,6 @@
 """Slurm 22.05 as the checker reads a request: the Job, sbatch's and srun's option tables, and the option values
 they check themselves before anything is submitted (a port to a newer Slurm touches this module and kit.placement).
-Owns: SBATCH_LONG/SRUN_LONG and friends, COUNT_LIMITS. Imports: kit.findings.
+Owns: SBATCH_LONG/SRUN_LONG and friends, COUNT_LIMITS. Imports: kit.bounded, kit.findings.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
+from kit.bounded import number_shown, quoted, whole_number
 from kit.findings import Findings
 
 if TYPE_CHECKING:  # a type only: kit.jobscript imports this module
@@ -215,24 +216,29 @@ def _int_option(name: str, value: str | None, where: str, findings: Findings, lo
     raw = (value or "").strip()
     if "$" in raw:
         return None  # reported once as a variable
-    m = re.fullmatch(r"(?:[A-Za-z0-9_-]+:)?(\d+)", raw) if name.startswith("gpus") else re.fullmatch(r"(\d+)", raw)
-    if name == "nodes" and re.fullmatch(r"\d+-\d+", raw):
-        findings.warn("node-range", f"{where}: --nodes={raw} is a range; the plan assumes the minimum "
-                      f"{raw.split('-')[0]}: fix it (e.g. --nodes={raw.split('-')[0]}) so the layout is known")
-        m = re.match(r"(\d+)", raw)
-    if not m or int(m.group(1)) < lo:
+    # ASCII digits only, read by kit.bounded.whole_number: sbatch refuses '--nodes=٣' ("is not a valid node count",
+    # measured), and a number of thousands of digits is one finding, never Python's int-conversion limit
+    m = re.fullmatch(r"(?:[A-Za-z0-9_-]+:)?([0-9]+)" if name.startswith("gpus") else r"([0-9]+)", raw)
+    if name == "nodes" and re.fullmatch(r"[0-9]+-[0-9]+", raw):
+        low = raw.split('-')[0]
+        findings.warn("node-range", f"{where}: --nodes={number_shown(raw, 40)} is a range; the plan assumes the "
+                      f"minimum {number_shown(low)}: fix it (e.g. --nodes={number_shown(low)}) so the layout is known")
+        m = re.match(r"([0-9]+)", raw)
+    if not m or whole_number(m.group(1)) < lo:
         hint = f" (write --{name}={raw[1:]}: a short option takes no '=')" if raw.startswith("=") else ""
-        findings.error("bad-value", f"{where}: --{name}={raw!r} is not a count >= {lo}; sbatch refuses it{hint}")
+        findings.error("bad-value", f"{where}: --{name}={number_shown(raw, 60)!r} is not a count >= {lo}; sbatch "
+                       f"refuses it{hint}")
         return None
-    return bounded(name, int(m.group(1)), where, findings)
+    return bounded(name, whole_number(m.group(1)), where, findings, m.group(1))
 
 
-def bounded(name: str, count: int, where: str, findings: Findings) -> int | None:
-    """A count within COUNT_LIMITS, else one error (and None: nothing is planned from it)."""
+def bounded(name: str, count: int, where: str, findings: Findings, raw: str | None = None) -> int | None:
+    """A count within COUNT_LIMITS, else one error (and None: nothing is planned from it). `raw`: the count as
+    written (a number of thousands of digits is quoted by its start and its length)."""
     limit = COUNT_LIMITS.get(name)
     if limit is None or count <= limit:
         return count
-    shown = str(count) if len(str(count)) <= 12 else f"{str(count)[:6]}...({len(str(count))} digits)"
+    shown = number_shown(raw.lstrip("0") or "0" if raw else str(count))
     shown = f"gpu:{shown}" if name == "gres" else shown
     findings.error("count-too-large", f"{where}: --{name}={shown} is more than any Jean Zay node or partition has "
                    f"(the checker plans up to {limit}); Slurm refuses it ('Requested node configuration is not "
@@ -250,10 +256,11 @@ def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
                 return None
             continue
         count = m.group(2) or "1"
-        if not count.isdigit() or int(count) < 1:
-            findings.error("bad-value", f"{where}: --gres={value!r}: GPU count {count!r} is not a number >= 1")
+        if not whole_number(count):  # ASCII digits: 'gpu:²' is no count (str.isdigit says it is; int() refuses it)
+            findings.error("bad-value", f"{where}: --gres={number_shown(value, 60)!r}: GPU count "
+                           f"{number_shown(count)!r} is not a number >= 1")
             return None
-        return bounded("gres", int(count), where, findings)
+        return bounded("gres", whole_number(count), where, findings, count)
     return None
 
 INT_FIELDS = {"nodes": "nodes", "ntasks": "ntasks", "ntasks-per-node": "ntasks_per_node",
@@ -341,34 +348,37 @@ def _near(word: str, choices: Iterable[str]) -> str:
 
 def gpu_bind_problem(v: str, prog: str) -> tuple[str | None, str | None]:
     """--gpu-bind as common/tres_bind.c _valid_gpu_bind reads it: closest and none match on their first letter."""
+    q = quoted(v)  # as messages quote it
     b = v[8:] if v.lower().startswith("verbose,") else v
     low = b.lower()
     if low.startswith("map_gpu:") or low.startswith("mask_gpu:"):
         digits = "[0-9a-fA-Fx*]" if low.startswith("mask") else "[0-9*]"
         items = low.split(":", 1)[1].split(",")
         if not all(re.fullmatch(digits + "+", x) for x in items):
-            return f"--gpu-bind={v}: {low.split(':')[0]} wants a comma-separated list of GPU numbers", None
+            return f"--gpu-bind={q}: {low.split(':')[0]} wants a comma-separated list of GPU numbers", None
         return None, None
     for word, prefix in (("closest", "c"), ("none", "n")):
         if low.startswith(prefix):
-            return None, (None if low == word else f"{prog} reads --gpu-bind={v} as '{word}' (it compares the "
+            return None, (None if low == word else f"{prog} reads --gpu-bind={q} as '{word}' (it compares the "
                           f"first letter only); write {word}")
     if low.startswith(("per_task:", "single:")):
         n = low.split(":", 1)[1]
-        return None, (None if n.isdigit() else f"{prog} reads --gpu-bind={v} as {low.split(':')[0]}:0 (not a "
+        return None, (None if whole_number(n) is not None else f"{prog} reads --gpu-bind={q} as "
+                      f"{low.split(':')[0]}:0 (not a "
                       "number); give a count")
-    return f"--gpu-bind={v} is not a GPU binding (closest, map_gpu:, mask_gpu:, none, per_task:, single:)", None
+    return f"--gpu-bind={q} is not a GPU binding (closest, map_gpu:, mask_gpu:, none, per_task:, single:)", None
 
 
 def cpu_bind_problem(v: str) -> str | None:
     """--cpu-bind as common/slurm_resource_info.c slurm_verify_cpu_bind reads it."""
+    q = quoted(v)  # as messages quote it
     for t in value_tokens(v):
         low = t.lower()
         if re.match(r"(map_?cpu|mask_?cpu|map_?ldom|mask_?ldom)", low):
             if not re.search(r"[:=].+", low):
-                return f"--cpu-bind={v}: missing list for '{t}'"
+                return f"--cpu-bind={q}: missing list for '{t}'"
         elif low not in CPU_BINDS:
-            return f"--cpu-bind={v}: unrecognized --cpu-bind argument \"{t}\"{_near(t, CPU_BINDS)}"
+            return f"--cpu-bind={q}: unrecognized --cpu-bind argument \"{t}\"{_near(t, CPU_BINDS)}"
     return None
 
 
@@ -376,58 +386,61 @@ def option_value_problem(name: str, value: str | None, prog: str = "sbatch") -> 
     """(why sbatch or srun refuse this value, how they read it other than written); (None, None) when fine.
     Each rule is 22.05's own parser, named beside it."""
     v = value or ""
+    q = quoted(v)  # as messages quote it
     if name == "hint":  # proc_args.c verify_hint
         bad = [t for t in value_tokens(v) if t.lower() not in HINTS]
-        return (f"--hint={v}: unrecognized --hint argument \"{bad[0]}\"{_near(bad[0], HINTS)}",
+        return (f"--hint={q}: unrecognized --hint argument \"{bad[0]}\"{_near(bad[0], HINTS)}",
                 None) if bad else (None, None)
     if name in ("mem", "mem-per-cpu", "mem-per-gpu"):  # proc_args.c str_to_mbytes
-        if not re.fullmatch(r"\d+([KMGTkmgt][Bb]?)?", v):
-            return f"--{name}={v} is not a size (a number of MB, or with K, M, G or T)", None
+        if not re.fullmatch(r"[0-9]+([KMGTkmgt][Bb]?)?", v):
+            return f"--{name}={q} is not a size (a number of MB, or with K, M, G or T)", None
         return None, None
     if name == "gpu-bind":  # common/tres_bind.c _valid_gpu_bind
         return gpu_bind_problem(v, prog)
     if name == "cpu-bind":  # common/slurm_resource_info.c slurm_verify_cpu_bind
         return cpu_bind_problem(v), None
     if name == "distribution":  # proc_args.c verify_dist_type
-        if re.fullmatch(r"(?i)plane=\d+", v) and int(v.split("=")[1]) > 0:
+        if re.fullmatch(r"(?i)plane=[0-9]+", v) and whole_number(v.split("=")[1]) > 0:
             return None, None
         base, _, flag = v.partition(",")
         levels = base.split(":")
         ok = (0 < len(levels) <= 3 and levels[0].lower() in ("*", "block", "cyclic", "arbitrary", "hostfile")
               and all(x.lower() in ("*", "block", "cyclic", "fcyclic") for x in levels[1:])
               and (not flag or flag.lower() in ("pack", "nopack")))
-        return (None, None) if ok else (f"--distribution={v} is not a distribution (block, cyclic, plane=N, "
+        return (None, None) if ok else (f"--distribution={q} is not a distribution (block, cyclic, plane=N, "
                                         "arbitrary, with :block|cyclic|fcyclic levels and ,pack|nopack)", None)
     if name == "exclusive":  # slurm_opt.c arg_set_exclusive
         ok = value is None or v.lower() in ("exclusive", "oversubscribe", "user", "mcs")
-        return (None, None) if ok else (f"--exclusive={v}: Invalid --exclusive specification (user, mcs, or no "
+        return (None, None) if ok else (f"--exclusive={q}: Invalid --exclusive specification (user, mcs, or no "
                                         "value)", None)
     if name == "signal":  # proc_args.c get_signal_opts: [R|B[R]:]SIGNAL[@SECONDS], SECONDS at most 65535
-        m = re.fullmatch(r"(?i)(?:R?B?R?:)?(?:SIG)?(\w+?)(?:@(\d+))?", v)
+        m = re.fullmatch(r"(?i)(?:R?B?R?:)?(?:SIG)?(\w+?)(?:@([0-9]+))?", v)
         sig = m.group(1).upper() if m else ""
-        ok = m and ((sig.isdigit() and 0 < int(sig) <= 0xffff) or sig in SIGNALS) and int(m.group(2) or 0) <= 0xffff
-        return (None, None) if ok else (f"--signal={v}: Invalid --signal specification ([B:]SIGNAL[@seconds], "
+        number = whole_number(sig)  # ASCII digits, bounded: '@' and 5,000 digits is one finding
+        ok = m and ((number is not None and 0 < number <= 0xffff) or sig in SIGNALS) \
+            and whole_number(m.group(2) or "0") <= 0xffff
+        return (None, None) if ok else (f"--signal={q}: Invalid --signal specification ([B:]SIGNAL[@seconds], "
                                         "e.g. USR1@300; seconds at most 65535)", None)
     if name == "mail-type":  # proc_args.c parse_mail_type: unknown words are dropped, all unknown is an error
         words = [w for w in v.split(",") if w]
         bad = [w for w in words if w.upper() not in MAIL_TYPES]
         if len(bad) == len(words):
-            return f"--mail-type={v}: Invalid --mail-type specification{_near(bad[0] if bad else '', MAIL_TYPES)}", None
-        return None, (f"{prog} drops {', '.join(bad)} from --mail-type={v} (not a mail type)" if bad else None)
+            return f"--mail-type={q}: Invalid --mail-type specification{_near(bad[0] if bad else '', MAIL_TYPES)}", None
+        return None, (f"{prog} drops {', '.join(bad)} from --mail-type={q} (not a mail type)" if bad else None)
     if name == "open-mode":  # slurm_opt.c arg_set_open_mode: the first letter decides
         if v[:1].lower() not in ("a", "t"):
-            return f"--open-mode={v}: Invalid --open-mode specification (append or truncate)", None
+            return f"--open-mode={q}: Invalid --open-mode specification (append or truncate)", None
         word = "append" if v[:1].lower() == "a" else "truncate"
-        return None, (None if v.lower() == word else f"{prog} reads --open-mode={v} as {word}; write {word}")
+        return None, (None if v.lower() == word else f"{prog} reads --open-mode={q} as {word}; write {word}")
     if name == "gres-flags":  # slurm_opt.c arg_set_gres_flags
         ok = v.lower() in ("disable-binding", "enforce-binding")
-        return (None, None) if ok else (f"--gres-flags={v}: Invalid --gres-flags specification (enforce-binding or "
+        return (None, None) if ok else (f"--gres-flags={q}: Invalid --gres-flags specification (enforce-binding or "
                                         "disable-binding)", None)
     if name == "kill-on-invalid-dep":  # slurm_opt.c arg_set_kill_on_invalid_dep
         ok = v.lower() in ("yes", "no")
-        return (None, None) if ok else (f"--kill-on-invalid-dep={v}: yes or no", None)
+        return (None, None) if ok else (f"--kill-on-invalid-dep={q}: yes or no", None)
     if name in ("time", "time-min") and v and time_minutes(v) is None:  # parse_time.c time_str2mins
-        return f"--{name}={v} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)", None
+        return f"--{name}={q} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)", None
     return None, None
 
 
@@ -492,10 +505,12 @@ def time_minutes(value: str) -> float | None:
     v = value.strip()
     if v.upper() in ("UNLIMITED", "INFINITE", "-1", "0"):  # time_str2mins: -1 and 0 mean no limit too
         return float("inf")
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", v)
+    m = re.fullmatch(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]{1,2}))?(?::([0-9]{1,2}))?", v)
     if not m:
         return None
-    d, a, b, c = m.groups()
+    # ASCII digits, each read bounded (kit.bounded.whole_number): sbatch 22.05 accepts a --time of 5,000 digits
+    # (measured, --test-only): it is longer than any limit, never an int-conversion or float overflow here
+    d, a, b, c = (None if x is None else whole_number(x) for x in m.groups())
     if d is not None:
         minutes = int(d) * 1440 + int(a) * 60 + int(b or 0) + int(c or 0) / 60
     elif c is not None:

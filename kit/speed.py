@@ -1,6 +1,6 @@
 """Speed: a split's step time from a measured profile (benchmarks/speed_profile.py writes it; docs/speed.md).
-Owns: PROFILE_FORMAT, SPEED_TERMS, FLOPs per sample and the GPUs' dense peaks. Imports: kit.arguments, kit.plan,
-kit.memory, kit.schedules, kit.site.
+Owns: PROFILE_FORMAT, SPEED_TERMS, FLOPs per sample and the GPUs' dense peaks. Imports: kit.arguments, kit.bounded,
+kit.plan, kit.memory, kit.schedules, kit.site.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Callable, NoReturn
 
 from kit.arguments import ARG, Training, show_value
+from kit.bounded import FileProblem, read_regular
 from kit.memory import part_params
 from kit.plan import part_sizes
 from kit.schedules import BACKWARD, FORWARD, SCHEDULES, Action, depends, schedule
@@ -95,7 +96,9 @@ _LAYERS = ("arg", "nlayers")  # the trainer's own range (ARGS): one owner
 # '?' may be missing; other keys are not read.
 PROFILE_SCHEMA = {
     "format": ("text",), "device": ("choice", "cpu", "cuda"),
-    "key": {"model": ("model",), "nlayers?": _LAYERS, "gpu?": ("text",), "torch?": ("text",),
+    # the GPU and the torch it was taken with: --advise and report.py --profile name both (a profile without them was
+    # a KeyError traceback there, issue 42)
+    "key": {"model": ("model",), "nlayers?": _LAYERS, "gpu": ("text",), "torch": ("text",),
             "node_type?": ("optional", ("text",))},
     "compute": ("list", {"tasks": _COUNT, "threads?": ("optional", _COUNT), "nlayers": _LAYERS,
                          "blocks": ("map", _POINTS), "whole?": ("map", _POINTS),
@@ -178,8 +181,9 @@ def _check_value(value: object, spec: object, where: str) -> object:
         _number(value, where, 0, 86400)
     elif kind == "count":
         _number(value, where, args[0], args[1], integer=True)
-    elif kind in ("text", "choice"):
-        if not isinstance(value, str) or len(value) > 200 or (kind == "choice" and value not in args):
+    elif kind in ("text", "choice"):  # printed in the reports: no control character (a terminal escape), 200 at most
+        if not isinstance(value, str) or len(value) > 200 or not value.isprintable() or (
+                kind == "choice" and value not in args):
             raise ProfileError(f"{where} is {_shown(value)}, not " + ("one of " + ", ".join(args) if kind == "choice"
                                                                       else "a name"))
     elif kind == "arg":
@@ -202,27 +206,15 @@ def _profile_arg(value: object, dest: str, where: str) -> object:
 
 
 def _profile_text(path: str | os.PathLike) -> str:
-    """The file's text, read bounded: a regular file only (a FIFO is never opened: it could block forever), at most
-    MAX_PROFILE_BYTES, UTF-8."""
-    import stat
+    """The file's text, read bounded (kit.bounded.read_regular): a regular file only (a FIFO is never opened: it could
+    block forever), at most MAX_PROFILE_BYTES, UTF-8."""
     try:
-        mode, size = os.stat(path).st_mode, os.stat(path).st_size
-        if not stat.S_ISREG(mode):
-            raise ProfileError(f"--profile {path} is {'a directory' if stat.S_ISDIR(mode) else 'not a regular file'}"
-                               ": give the JSON file benchmarks/speed_profile.py wrote")
-        if size > MAX_PROFILE_BYTES:
-            raise ProfileError(f"--profile {path} holds {size} bytes, more than a profile ({MAX_PROFILE_BYTES >> 20} "
-                               "MiB at most; speed_profile.py writes about 25 kB): give the profile's file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            data = os.read(fd, MAX_PROFILE_BYTES + 1)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise ProfileError(f"--profile {path}: cannot read it ({exc.strerror}); take one with "
-                           "benchmarks/speed_profile.py (docs/speed.md)") from None
+        data, _ = read_regular(path, MAX_PROFILE_BYTES, what="a profile (speed_profile.py writes about 25 kB)")
+    except FileProblem as exc:
+        raise ProfileError(f"--profile {path}: {exc}; give the JSON file benchmarks/speed_profile.py wrote "
+                           "(docs/speed.md)") from None
     try:
-        return data[:MAX_PROFILE_BYTES].decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProfileError(f"--profile {path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}): "
                            "not a profile, or a damaged one; take it again with benchmarks/speed_profile.py") from None
@@ -623,4 +615,8 @@ def predict_speed(profile: dict, model: dict, t: "Training", nb_part: int, repli
              "communication": comm, "optimizer": optimizer}
     terms["bubble"] = max(0.0, terms["bubble"]) if terms["bubble"] > -1e-9 else terms["bubble"]  # rounding only
     step = sum(terms.values())
-    return {"step_s": step, "samples_per_s": batch * replicas / step, "terms": terms, "notes": notes}
+    speed = batch * replicas / step
+    if not (math.isfinite(speed) and speed > 0):  # times of 5e-324 s passed the schema: 'inf samples/s' (issue 42)
+        raise ProfileError(f"the profile's times give a step of {step:.3g} s: too short to be a measurement; "
+                           "take it again with benchmarks/speed_profile.py")
+    return {"step_s": step, "samples_per_s": speed, "terms": terms, "notes": notes}

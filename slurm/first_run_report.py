@@ -4,19 +4,27 @@ with its probable cause.
 
     python slurm/first_run_report.py first_run_<job> > first_run_<job>/report.md
 
-Reads FOLDER/status.tsv (step, exit status, tasks), FOLDER/runs.jsonl (the trainers' records, read as report.py
-reads them: a line that is not a whole record costs that line only, and the report names it), FOLDER/gpu_check.jsonl
-and FOLDER/<step>.log. Exit status 1 when a run failed (a GPU benchmark that found no GPU is 'not run', not failed).
-No torch import: it runs anywhere, on the job's folder copied to a laptop too.
+Reads FOLDER/steps.txt (the steps the job was to run, written before the first), FOLDER/status.tsv (step, exit
+status, tasks: one line per step that ended), FOLDER/runs.jsonl (the trainers' records, read as report.py reads them:
+a line that is not a whole record costs that line only, and the report names it), FOLDER/gpu_check.jsonl and
+FOLDER/<step>.log, each bounded (kit.bounded.read_regular: a regular file only, never a FIFO or a device; a long log
+read at both ends). Exit status 1 when a run failed or did not run (a job killed half-way: its time limit, a node
+failure, scancel), or when no step ran (a GPU benchmark that found no GPU is 'not run', not failed). No torch import:
+it runs anywhere, on the job's folder copied to a laptop too.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RecordsError, read_records, value_problem  # noqa: E402  (one reader of the records, two reports)
+from report import RecordsError, capped, read_records, value_problem  # noqa: E402  (one reader of the records)
+import kit.bounded  # noqa: E402  (report.py puts the kit on the path: one bounded reader of every file)
+
+MAX_LOG, MAX_LIST = 8 * 2 ** 20, 2 ** 20  # a log is read at both ends past 8 MiB; status.tsv, steps.txt are lines
+MAX_STEPS = 200
 
 # The first line that matches a pattern is the run's error; the cause is what it most likely means. Ordered: a
 # task that lost contact is usually not the cause, so the patterns of the cause come first.
@@ -50,7 +58,7 @@ def first_error(log: str) -> tuple[str, str] | None:
     for pattern, cause in CAUSES:
         for line in lines:
             if re.search(pattern, line):
-                return line.strip()[:240], cause
+                return kit.bounded.printable(line.strip(), 240), cause  # no terminal escape in report.md
     return None
 
 
@@ -58,23 +66,51 @@ def read_status(folder: Path, notes: list[str] | None = None) -> list[tuple[str,
     """The job's steps as first_run.slurm's done_() appends them; a line that is not one (cut by a full disk) is
     skipped, with a note in `notes`."""
     rows, path = [], folder / "status.tsv"
-    for n, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+    data, _ = kit.bounded.read_regular(path, MAX_LIST, what="a first run's status (a line per step)")
+    for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
         fields = line.split("\t")
-        try:
-            name, code, tasks = fields[0], int(fields[1]), int(fields[2])
-            if len(fields) != 3 or not re.fullmatch(r"[\w.-]+", name):
+        try:  # ASCII digits, bounded (kit.bounded.whole_number): '٣' or 5,000 digits are no exit status
+            name, code, tasks = fields[0], kit.bounded.whole_number(fields[1]), kit.bounded.whole_number(fields[2])
+            if len(fields) != 3 or not re.fullmatch(r"[\w.-]+", name, re.A) or code is None or code > 255 or not tasks:
                 raise ValueError
         except (ValueError, IndexError):
             if line.strip() and notes is not None:
-                notes.append(f"{path}:{n}: skipped: not 'step<TAB>exit status<TAB>tasks' ({line[:60]!r})")
+                notes.append(f"{path}:{n}: skipped: not 'step<TAB>exit status<TAB>tasks' "
+                             f"({kit.bounded.printable(line, 60)!r})")
             continue
         rows.append((name, code, tasks))
     return rows
 
 
+def text_of(path: Path, notes: list[str], limit: int = MAX_LOG) -> str:
+    """A file of the folder as text, read bounded (kit.bounded.read_regular: a regular file only, never a FIFO or a
+    device; past `limit`, its two ends); '' where it is missing, and a note where it is not a file to read."""
+    if not os.path.lexists(path):
+        return ""
+    try:
+        data, _ = kit.bounded.read_regular(path, limit, ends=True)
+    except kit.bounded.FileProblem as exc:
+        notes.append(f"{path}: not read: {exc}")
+        return ""
+    return data.decode("utf-8", "replace")
+
+
+def read_plan(folder: Path, notes: list[str]) -> list[str] | None:
+    """The steps first_run.slurm was to run (steps.txt, written before the first step), or None for a folder
+    without it (an older first_run.slurm): then which steps were to run is not known."""
+    if not os.path.lexists(folder / "steps.txt"):
+        return None
+    steps = [line.strip() for line in text_of(folder / "steps.txt", notes, MAX_LIST).splitlines() if line.strip()]
+    steps = [x for x in steps if re.fullmatch(r"[\w.-]+", x, re.A)]
+    if len(steps) > MAX_STEPS:  # first_run.slurm plans 11 on a 4-GPU node, 15 on 8 GPUs
+        notes.append(f"{folder / 'steps.txt'}: not read: {len(steps):,} steps, not a first run's plan")
+        return None
+    return steps or None
+
+
 def records(path: Path, notes: list[str]) -> list[dict]:
     """The trainers' records (report.read_records); what it skips or leaves out goes to `notes`."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     try:
         found, problems = read_records(path)
@@ -113,7 +149,7 @@ def run_rows(folder: Path, status: list[tuple[str, int, int]], notes: list[str])
     for name, code, tasks in status:
         if name in ("gpu_check", "memory_gpu", "profile"):
             continue
-        log = (folder / f"{name}.log").read_text(errors="replace") if (folder / f"{name}.log").exists() else ""
+        log = text_of(folder / f"{name}.log", notes)
         rec = record_of(name, runs) if not name.startswith("check_") else None
         if code == 0:
             if name.startswith("check_"):
@@ -132,16 +168,17 @@ def run_rows(folder: Path, status: list[tuple[str, int, int]], notes: list[str])
     return lines, failed
 
 
-def benchmark_lines(folder: Path, status: list[tuple[str, int, int]]) -> tuple[list[str], int]:
+def benchmark_lines(folder: Path, status: list[tuple[str, int, int]], notes: list[str]) -> tuple[list[str], int]:
     out, failed = [], 0
     codes = {name: code for name, code, _ in status}
     for name in ("gpu_check", "memory_gpu"):
         if name not in codes:
             continue
-        log = (folder / f"{name}.log").read_text(errors="replace") if (folder / f"{name}.log").exists() else ""
+        log = text_of(folder / f"{name}.log", notes)
         code = codes[name]
         if code == 2 and re.search(r"no CUDA GPU here", log):
-            out.append(f"- `{name}`: not run: no CUDA GPU in this job (`{log.strip().splitlines()[-1][:200]}`)")
+            out.append(f"- `{name}`: not run: no CUDA GPU in this job "
+                       f"(`{kit.bounded.printable(log.strip().splitlines()[-1], 200)}`)")
             continue
         table = [line for line in log.splitlines() if line.startswith("|") or line.startswith("worst")]
         if name == "gpu_check" and code == 1 and table:  # it ran; a row below the goal or failed says so itself
@@ -157,45 +194,68 @@ def benchmark_lines(folder: Path, status: list[tuple[str, int, int]]) -> tuple[l
     return out, failed
 
 
-def profile_lines(folder: Path, status: list[tuple[str, int, int]]) -> tuple[list[str], int]:
+def profile_lines(folder: Path, status: list[tuple[str, int, int]], notes: list[str]) -> tuple[list[str], int]:
     """The speed profile's step, and the splits its predictions put first (advise.txt)."""
     codes = {name: code for name, code, _ in status}
     if "profile" not in codes:
         return [], 0
     if codes["profile"] != 0:
-        log = (folder / "profile.log").read_text(errors="replace") if (folder / "profile.log").exists() else ""
+        log = text_of(folder / "profile.log", notes)
         error = first_error(log)
         return [f"- `profile` failed (exit {codes['profile']})" + (f": `{error[0]}`; probable cause: {error[1]}"
                                                                    if error else "")], 1
-    advice = (folder / "advise.txt").read_text(errors="replace").splitlines() if (folder / "advise.txt").exists() \
-        else []
+    advice = [kit.bounded.printable(line, 200) for line in text_of(folder / "advise.txt", notes, MAX_LIST).splitlines()]
     return [f"- `profile`: {folder.name}/profile.json; the splits it predicts fastest "
             "(`check_topology.py --advise --profile`, measure them with the sweep's MODE=predict):", "", "```",
             *advice[:12], "```", ""], 0
 
 
 def report(folder: Path) -> tuple[str, int]:
+    """The report's text and the count of steps that failed or did not run (or 1 where no step ran at all)."""
     notes: list[str] = []
-    status = read_status(folder, notes)
+    status, planned = read_status(folder, notes), read_plan(folder, notes)
     rows, failed = run_rows(folder, status, notes)
-    bench, bench_failed = benchmark_lines(folder, status)
-    speed, speed_failed = profile_lines(folder, status)
+    bench, bench_failed = benchmark_lines(folder, status, notes)
+    speed, speed_failed = profile_lines(folder, status, notes)
     bench, bench_failed = speed + bench, bench_failed + speed_failed
+    ran = {name for name, _, _ in status}
+    missing = [x for x in planned or [] if x not in ran]
+    rows += [f"| {name} | - | - | - | - | - | did not run: the job ended before this step (its time limit, a node "
+             "failure, scancel: `sacct -j <job>` says which) |" for name in missing]
     text = [f"# First run: {folder.name}", "",
             "| run | tasks | layout | samples/s | peak GPU GiB | estimate GiB | |",
             "| --- | ---: | --- | ---: | ---: | ---: | --- |", *rows, "", *bench]
     failed += bench_failed
-    text += ["", f"{len(status)} step(s), {failed} failed" + ("" if failed else ": every run ran")]
+    text += ["", summary(len(status), failed, missing, planned)]
     if notes:  # in the report itself (report.md), where the user reads the job's outcome
-        text += ["", "Lines not read (each costs its own record or figure only):", *(f"- {n}" for n in notes)]
-    return "\n".join(text) + "\n", failed
+        text += ["", "Lines not read (each costs its own record or figure only):", *(f"- {n}" for n in capped(notes))]
+    return "\n".join(text) + "\n", failed + len(missing) + (not status)
+
+
+def summary(done: int, failed: int, missing: list[str], planned: list[str] | None) -> str:
+    """The report's last line: never 'every run ran' for a job that ended half-way or ran nothing (issue 42)."""
+    if planned is None:
+        return (f"{done} step(s), {failed} failed" + ("" if failed or not done else ": every step listed in status.tsv "
+                "ran") + ("" if done else ": no step ran (status.tsv is empty)") + "; this folder has no steps.txt (an"
+                " older first_run.slurm): whether the job ran every step is not known")
+    if not done:
+        return f"0 step(s) of the {len(planned)} planned ran: the job ended before its first step ended"
+    if missing:
+        return (f"{done} step(s) of the {len(planned)} planned ran, {failed} failed, {len(missing)} did not run "
+                f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): the job ended before them")
+    return f"{done} step(s), {failed} failed" + ("" if failed else ": every run ran")
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not (Path(argv[0]) / "status.tsv").is_file():
+    if len(argv) != 1 or not os.path.lexists(Path(argv[0]) / "status.tsv"):
         print("usage: first_run_report.py FOLDER (the first_run_<job> folder holding status.tsv)", file=sys.stderr)
         return 2
-    text, failed = report(Path(argv[0]))
+    try:
+        text, failed = report(Path(argv[0]))
+    except kit.bounded.FileProblem as exc:  # status.tsv itself: a FIFO, a device, a folder, too large
+        print(f"first_run_report.py: cannot read {Path(argv[0]) / 'status.tsv'}: {exc}; give the first_run_<job> "
+              "folder first_run.slurm wrote", file=sys.stderr)
+        return 2
     sys.stdout.write(text)
     return 1 if failed else 0
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kit.arguments  # noqa: E402  (torch-free: the speed model)
+import kit.bounded  # noqa: E402  (one bounded reader of every file a user names)
 import kit.speed  # noqa: E402  (torch-free: the speed model)
 
 KEY = ("device", "gpus", "tasks", "nb_part", "batch_per_gpu", "batch_size", "chunks", "layout", "precision",
@@ -74,6 +75,24 @@ COUNT_MAX = 1_000_000  # tasks, GPUs, replicas, parts, nodes: far above any allo
 TRAINER_ARGS = {a.dest: a for a in kit.arguments.ARGS if a.dest != "nb_part"}
 
 
+# A results file is read whole into records: bounded, so that a hostile or runaway file (a million records cost 7
+# times their size before) is one line. A record is 0.5 to 2 kB; a line above MAX_LINE is no record.
+MAX_RESULTS_BYTES, MAX_LINE = 64 * 2 ** 20, 2 ** 20
+# and at most MAX_LINES lines (a run appends one: 60 MB of empty lines took 162 s), the first MAX_NOTES notes shown
+MAX_LINES, MAX_NOTES = 100_000, 100
+
+
+def capped(notes: list[str]) -> list[str]:
+    """The first MAX_NOTES notes and how many more there are: 100,000 damaged lines are not 100,000 lines of report."""
+    more = len(notes) - MAX_NOTES
+    return notes[:MAX_NOTES] + ([f"... and {more:,} more line(s) not read or left out"] if more > 0 else [])
+
+
+def interned(pairs: list) -> dict:
+    """A record's object with its keys shared by every record (json makes new key strings for each line)."""
+    return {sys.intern(k): v for k, v in pairs}
+
+
 class RecordsError(Exception):
     """A results file that cannot be read at all (missing, a folder, no permission)."""
 
@@ -86,25 +105,37 @@ def shown(value: object) -> str:
 
 def read_records(path: Path) -> tuple[list[tuple[str, dict]], list[str]]:
     """The records of a JSONL file the trainers append to, each with where it is ("path:line"), and a note for each
-    line that is not a record (cut short, junk, not UTF-8, a JSON value that is not an object) or figure that is not
-    a measurement (FIGURES: left out, as if not measured). Raises RecordsError where the file cannot be read."""
+    line that is not a record (cut short, junk, not UTF-8, a JSON value that is not an object, longer than MAX_LINE)
+    or figure that is not a measurement (FIGURES: left out, as if not measured). The file is read line by line,
+    bounded (kit.bounded.open_regular: a regular file of at most MAX_RESULTS_BYTES; a FIFO or a device is never
+    read). Raises RecordsError where the file cannot be read."""
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise RecordsError(f"cannot read {path} ({exc.strerror or exc}): give the file the runs' --json-out "
-                           "wrote") from None
-    lines = data.split(b"\n")
-    records, notes = [], []
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{n}"
-        record, why = parse_record(raw, unfinished=n == len(lines))  # no "\n" after it: its append was cut
-        if why:
-            notes.append(f"{where}: {why}")
-        if record is not None:
-            notes += checked_figures(where, record)
-            records.append((where, record))
+        f, _ = kit.bounded.open_regular(path, MAX_RESULTS_BYTES, what=f"a sweep's records ({MAX_RESULTS_BYTES >> 20} "
+                                        "MiB is tens of thousands of runs; split the file, e.g. tail -n 10000)")
+    except kit.bounded.FileProblem as exc:
+        raise RecordsError(f"{path}: {exc}; give the file the runs' --json-out wrote") from None
+    records, notes, size = [], [], 0
+    with f:
+        for n, raw in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
+            size += len(raw)
+            if size > MAX_RESULTS_BYTES or n > MAX_LINES:
+                raise RecordsError(f"{path}: more than {MAX_RESULTS_BYTES >> 20} MiB or {MAX_LINES:,} lines (a run "
+                                   "appends one): not a sweep's records; split the file, e.g. tail -n 10000")
+            where, unfinished = f"{path}:{n}", not raw.endswith(b"\n")  # no "\n" after it: its append was cut
+            if len(raw) > MAX_LINE:
+                while raw and not raw.endswith(b"\n"):  # the rest of the line, read and dropped
+                    raw = f.readline(MAX_LINE + 1)
+                    size += len(raw)
+                notes.append(f"{where}: skipped: a line of more than {MAX_LINE >> 10} KiB, not a record")
+                continue
+            if not raw.strip():
+                continue
+            record, why = parse_record(raw.rstrip(b"\n"), unfinished)
+            if why:
+                notes.append(f"{where}: {why}")
+            if record is not None:
+                notes += checked_figures(where, record)
+                records.append((where, record))
     return records, notes
 
 
@@ -115,7 +146,7 @@ def parse_record(raw: bytes, unfinished: bool) -> tuple[dict | None, str | None]
     except UnicodeDecodeError as exc:
         return None, f"skipped: byte 0x{raw[exc.start]:02x} at column {exc.start + 1} is not UTF-8 (a damaged file?)"
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=interned)
     except RecursionError:
         return None, "skipped: not a record (nested too deeply)"
     except ValueError as exc:
@@ -137,7 +168,7 @@ def whole_record_after(text: str) -> dict | None:
     if start <= 0:
         return None
     try:
-        value, end = json.JSONDecoder().raw_decode(text, start)
+        value, end = json.JSONDecoder(object_pairs_hook=interned).raw_decode(text, start)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) and not text[end:].strip() else None
@@ -192,7 +223,7 @@ def load(paths: list[Path]) -> tuple[list[dict], list[str]]:
             r["gpus"] = r.get("gpus") or r["tasks"] * r["nb_part"]
             r["batch_per_gpu"] = r["batch_size"] // r["nb_part"]
             records.append(r)
-        problems += sorted(notes, key=lambda note: int(note[len(str(path)) + 1:].split(":", 1)[0]))  # line order
+        problems += capped(sorted(notes, key=lambda note: int(note[len(str(path)) + 1:].split(":", 1)[0])))
     return records, problems
 
 
@@ -200,6 +231,9 @@ def table_problem(r: dict) -> str | None:
     """Why a record has no place in the table (its key fields: KEY), or None."""
     for field in ("tasks", "nb_part", "batch_size", "chunks") + (("gpus",) if r.get("gpus") is not None else ()):
         if why := value_problem(r, field):
+            return why
+    for field in MODEL_FIELDS:  # the model's shape, where the record has it: NaN or 1e9 is a damaged record
+        if r.get(field) is not None and (why := value_problem(r, field)):
             return why
     if r.get("device") not in ("cuda", "cpu"):
         return ("no 'device' (cuda or cpu): a GPU's figures and a CPU's cannot be told apart" if "device" not in r

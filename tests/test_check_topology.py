@@ -274,6 +274,7 @@ NOT_IN_CORPUS = {
     "bf16-on-v100": "tests/test_memory.py", "tf32-on-v100": "tests/test_gpu_truth.py",
     "fp16-stage": "tests/test_options.py",
     "partition-unknown": "tests/test_site_live.py (--site live on the local cluster: the table knows no other site)",
+    "accounting-unread": "tests/test_faults_round3.py (a fake Slurm whose sacctmgr is slower than the deadline)",
     "torch-release": "the trainers and their --check-args (tests/test_args.py); a job script's module line gives "
                      "engine-unavailable / torch-too-old",
     **{c: "test_stage_layout_findings" for c in ("pp-too-small", "pp-not-dividing-world", "pipeline-spans-nodes",

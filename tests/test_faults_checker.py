@@ -267,8 +267,8 @@ def test_a_malformed_profile_is_one_line(tmp_path, name):
 def test_a_profile_that_is_not_a_file_is_one_line_and_never_blocks(tmp_path):
     fifo = tmp_path / "p.fifo"
     os.mkfifo(fifo)  # nobody writes to it: an open() would wait forever
-    for path, says in ((fifo, "is not a regular file"), (tmp_path, "is a directory"), (tmp_path / "no.json",
-                                                                                      "cannot read it")):
+    for path, says in ((fifo, "is a FIFO (named pipe), not a regular file"), (tmp_path, "is a directory"),
+                       (tmp_path / "no.json", "cannot read it")):
         out = limited([*PLAN, "--profile", str(path)])
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and says in out.stderr, out.stderr
 

@@ -173,9 +173,10 @@ def test_a_run_that_did_not_learn_is_marked(tmp_path):
 
 
 def test_a_results_file_that_cannot_be_read_is_one_line(tmp_path):
-    for path, why in ((tmp_path / "missing.jsonl", "No such file or directory"), (tmp_path, "Is a directory")):
+    for path, why in ((tmp_path / "missing.jsonl", "cannot read it (No such file or directory)"),
+                      (tmp_path, "it is a directory, not a regular file")):
         r = run(REPORT, str(path), "--out", str(tmp_path / "out"))
-        assert r.returncode == 2 and r.stderr == f"report.py: cannot read {path} ({why}): give the file the runs' " \
+        assert r.returncode == 2 and r.stderr == f"report.py: {path}: {why}; give the file the runs' " \
             "--json-out wrote\n"
     assert not (tmp_path / "out").exists()
 

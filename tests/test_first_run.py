@@ -40,6 +40,7 @@ def test_first_run_on_one_node(slurm_cluster, tmp_path):
     assert status == {"check_replica_1x4": 0, "replica_1x4": 0, "check_replica_2x2": 0, "replica_2x2": 0,
                       "check_replica_4x1": 0, "replica_4x1": 0, "check_stage": 0, "stage": 0, "profile": 0,
                       "gpu_check": 2, "memory_gpu": 2}, status
+    assert (folder / "steps.txt").read_text().split() == list(status)  # the plan, written before the first step
     runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
     got = sorted((x["layout"], x["tasks_per_node"], x["nb_part"]) for x in runs)
     assert got == [("replica", 1, 4), ("replica", 2, 2), ("replica", 4, 1), ("stage", 4, 2)], got  # pp 2

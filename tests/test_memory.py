@@ -381,12 +381,13 @@ def test_gpu_memory_inside_an_allocation(tmp_path, monkeypatch):
     smi.write_text("#!/bin/sh\nprintf '32510\\n16160\\n'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
-    seen = kit.allocation.gpus_memory_here()
-    assert seen == 16160 / 1024
+    seen, why = kit.allocation.gpus_memory_here()
+    assert seen == 16160 / 1024 and why is None
     job = kit.slurm.Job(constraint="v100-32g", gpu_mem_seen=seen)
     assert kit.site.gpu_memory(job) == (seen, "the allocation's GPUs (nvidia-smi)")
     smi.write_text("#!/bin/sh\nexit 9\n")
-    assert kit.allocation.gpus_memory_here() is None  # a failing nvidia-smi: back to the constraint
+    seen, why = kit.allocation.gpus_memory_here()  # a failing nvidia-smi: back to the constraint, and why
+    assert seen is None and "exit status 9" in why
 
 
 @settings(max_examples=300, deadline=None)

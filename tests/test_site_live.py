@@ -110,13 +110,18 @@ def test_a_read_is_cached_per_user_and_configuration(tmp_path):
             'elif [[ "$*" == *user* ]]; then echo abc@v100; '
             'else echo "qos_gpu-t3|20:00:00|gres/gpu=512||||"; fi;;\nesac')
     env = fake_slurm(tmp_path / "bin", body)
-    env["SLURM_CONF"] = "/nonexistent/a.conf"
+    for name in ("a", "b"):  # the cache is kept per cluster too: the one slurm.conf names (issue 42)
+        (tmp_path / f"{name}.conf").write_text("ClusterName=jz\n")
+    env["SLURM_CONF"] = str(tmp_path / "a.conf")
     first = checker(tmp_path, "-A abc@v100 -t 1:00:00", env=env)
     n = len(calls.read_text().splitlines())
     second = checker(tmp_path, "-A abc@v100 -t 1:00:00", env=env)
-    assert first[:2] == second[:2] and n == 5 and len(calls.read_text().splitlines()) == n, calls.read_text()
-    assert any(x.startswith("site rules: Slurm's configuration here (jz, Slurm 22.05.8") for x in first[1]["notes"])
-    env["SLURM_CONF"] = "/nonexistent/b.conf"
+    notes = [[x for x in r[1]["notes"] if x.startswith("site rules:")][0] for r in (first, second)]
+    assert first[0] == second[0] and first[1]["findings"] == second[1]["findings"], (first, second)
+    assert n == 5 and len(calls.read_text().splitlines()) == n, calls.read_text()
+    assert notes[0].startswith("site rules: Slurm's configuration here (jz, Slurm 22.05.8") and "read in" in notes[0]
+    assert "a cached read of" in notes[1], notes[1]  # said as a cached read, with its age
+    env["SLURM_CONF"] = str(tmp_path / "b.conf")
     checker(tmp_path, "-A abc@v100 -t 1:00:00", env=env)
     assert len(calls.read_text().splitlines()) == 2 * n
 

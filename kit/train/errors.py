@@ -10,7 +10,7 @@ from typing import Callable
 
 import idr_torch
 import kit.arguments
-from kit.train.signals import CTRL_C, is_rank0
+from kit.train.signals import CTRL_C, StopBeforeTraining, is_rank0
 
 
 class RunError(Exception):
@@ -58,6 +58,11 @@ def cli(main: Callable[[], int], prog: str) -> None:
         sys.exit(2)
     except Quiet:
         sys.exit(1)
+    except StopBeforeTraining as exc:  # a stop signal during a first --model measurement: at once, within KillWait
+        if is_rank0():
+            print(f"{prog}: stopped: {exc.signal_name} while {exc.doing}, before any training: nothing to save; exit "
+                  "75 (the templates requeue it; the measurement is taken again)", file=sys.stderr, flush=True)
+        sys.exit(75)
     except KeyboardInterrupt:  # Ctrl-C twice (hold_signal): at once, one line, the shell's status for SIGINT
         if is_rank0():
             print(f"{prog}: interrupted (Ctrl-C twice): stopped at once, without a checkpoint of this point; "

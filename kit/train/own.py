@@ -5,7 +5,7 @@ part) for either layout; the data and the loss: a model that takes token ids (--
 --sample with a stand-in loss, and the run says it measures speed, not learning.
 Owns: OwnModel, resolve_model, own_parts (and their checkpointing), the synthetic batches and loss.
 Imports: kit.arguments, kit.memory, kit.model, kit.own_model, kit.own_split, kit.plan, kit.train.errors,
-kit.train.options.
+kit.train.options, kit.train.signals.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import kit.plan
 from kit.model import default_sample, is_token_ids
 from kit.own_split import ModelPlan, plan_model
 from kit.train.errors import RunError
+from kit.train.signals import stoppable
 from kit.train.options import Part, device_arch, training_of
 
 NCLASSES = 2  # the kit's task: a review's two classes (bench_ddp_transformer.Decoder's head)
@@ -54,9 +55,10 @@ def resolve_model(cfg: argparse.Namespace, nb_part: int) -> OwnModel | None:
         return None
     from kit import own_model  # here: a run of the kit's own model never imports the measuring machinery
     cfg.sample = cfg.sample or default_sample(cfg.batch_size, cfg.seq_len)
-    try:
-        plan = plan_model(cfg.model_spec, cfg.sample, nb_part, cfg.split, max(1, cfg.batch_size // cfg.chunks),
-                          cfg.chunks, cfg.precision, cfg.activation_checkpointing)
+    try:  # a first measurement of a large model takes minutes: a stop signal then ends the run at once (issue 42)
+        with stoppable(f"measuring --model {cfg.model_spec} (its first run; later runs read the cache)"):
+            plan = plan_model(cfg.model_spec, cfg.sample, nb_part, cfg.split, max(1, cfg.batch_size // cfg.chunks),
+                              cfg.chunks, cfg.precision, cfg.activation_checkpointing)
         x = own_model.sample_batch(cfg.sample)()
     except own_model.ModelError as exc:
         raise kit.arguments.ArgumentError(str(exc)) from None

@@ -1,7 +1,8 @@
 """The job's stop signals and hangs: SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel, preemption)
 and SIGINT (Ctrl-C) are held from a trainer's first lines and acted on at the next step (kit.train.loop.StopRequest);
 a second Ctrl-C stops at once but never inside a save. (A task that makes no progress: kit.train.launch's Watchdog.)
-Owns: PENDING_SIGNALS, CTRL_C. Imports: the standard library only, and little of it: the trainers import it first.
+Owns: PENDING_SIGNALS, CTRL_C, stoppable. Imports: the standard library only, and little of it: the trainers import
+it first.
 """
 from __future__ import annotations
 
@@ -25,6 +26,37 @@ PENDING_SIGNALS: list[str] = []  # the names, in order
 # main() returned, nothing left to cut short; "deferred", a second Ctrl-C that waits for a save's end or the next step
 CTRL_C = {"saving": 0, "ending": False, "deferred": False}
 
+# What the run is doing where a stop signal ends it at once (stoppable): "" nowhere (the signal waits for the step)
+STOPPABLE = [""]
+
+
+class StopBeforeTraining(BaseException):
+    """A stop signal during a long piece of start-up before any training (a first measurement of a --model): nothing
+    is lost by stopping at once, and waiting for the first step would outlast Slurm's KillWait (30 s by default,
+    slurm.conf(5)), after which SIGKILL ends the job without its exit 75. A BaseException: the measurement's own
+    `except Exception` (a layer measured otherwise) must not take it."""
+
+    def __init__(self, signal_name: str, doing: str) -> None:
+        super().__init__(f"{signal_name} while {doing}")
+        self.signal_name, self.doing = signal_name, doing
+
+
+class stoppable:
+    """`with stoppable("measuring --model x.py:f"):` a stop signal inside (or one already pending) raises
+    StopBeforeTraining at once; outside, signals wait for the next step as before."""
+
+    def __init__(self, doing: str) -> None:
+        self.doing = doing
+
+    def __enter__(self) -> None:
+        STOPPABLE[0] = self.doing
+        if PENDING_SIGNALS:
+            STOPPABLE[0] = ""
+            raise StopBeforeTraining(PENDING_SIGNALS[0], self.doing)
+
+    def __exit__(self, *exc: object) -> None:
+        STOPPABLE[0] = ""
+
 
 def hold_signal(signum: int, frame: object) -> None:
     """Note a stop signal: StopRequest acts on it at the next step. Ctrl-C a second time stops at once (cli() says
@@ -35,6 +67,9 @@ def hold_signal(signum: int, frame: object) -> None:
     name = signal.Signals(signum).name
     again = name == "SIGINT" and "SIGINT" in PENDING_SIGNALS
     PENDING_SIGNALS.append(name)
+    if STOPPABLE[0] and not in_finalizer(frame):  # nothing trained yet: at once (stoppable)
+        doing, STOPPABLE[0] = STOPPABLE[0], ""
+        raise StopBeforeTraining(name, doing)
     if name == "SIGINT" and not again and is_rank0():
         import os  # loaded by the interpreter already; os.write, not print: this may interrupt a print
         os.write(2, b"Ctrl-C: stopping after this step, with a checkpoint where --save is given (exit 75); "
