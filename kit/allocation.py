@@ -32,6 +32,7 @@ def job_from_allocation(env: dict[str, str]) -> Job:
             raise UsageError(f"{name}={v!r} is not a number")
         return int(m.group(1))
     tpn = env.get("SLURM_TASKS_PER_NODE", "").strip()
+    cpn = env.get("SLURM_JOB_CPUS_PER_NODE", "").strip()
     gpus = env.get("SLURM_JOB_GPUS", "").strip()
     job = Job(
         nodes=num("SLURM_JOB_NUM_NODES") or num("SLURM_NNODES"),
@@ -42,6 +43,10 @@ def job_from_allocation(env: dict[str, str]) -> Job:
         cpus_per_task=num("SLURM_CPUS_PER_TASK"), hint=env.get("SLURM_HINT") or None,
         constraint=env.get("SLURM_JOB_CONSTRAINTS") or None, partition=env.get("SLURM_JOB_PARTITION") or None,
         account=env.get("SLURM_JOB_ACCOUNT") or None, qos=env.get("SLURM_JOB_QOS") or None, time="allocated",
+        # per-GPU sizing as the batch step and srun's tasks see it (measured: SLURM_CPUS_PER_GPU=24,
+        # SLURM_MEM_PER_GPU=10240 for --mem-per-gpu=10G, SLURM_JOB_CPUS_PER_NODE=96 or 40(x2))
+        cpus_per_gpu=num("SLURM_CPUS_PER_GPU"), mem_per_gpu=num("SLURM_MEM_PER_GPU"),
+        cores_per_node=idr_torch.parse_tasks_per_node(cpn, "SLURM_JOB_CPUS_PER_NODE") if cpn else None,
         source=f"allocation of job {env.get('SLURM_JOB_ID', '?')} ({env.get('SLURM_JOB_NODELIST', '?')})")
     # Lmod and Environment Modules keep the loaded modules in LOADEDMODULES; the torch that runs is the installed
     # one (its package metadata: no torch import)

@@ -501,6 +501,10 @@ PER_TASK = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASK_PID", "
             "SLURMD_NODENAME", "SLURM_GTIDS")
 
 
+# the variables of a command's environment that srun reads and a Ran carries (srun/libsrun/opt.c env_vars)
+SRUN_READS = ("SRUN_", "SLURM_EXPORT_ENV")
+
+
 @dataclass
 class Ran:
     """A simple command as bash runs it: its fields after expansion (an expansion this reading cannot know stays as
@@ -890,8 +894,8 @@ class ShellRun:
             finally:
                 self.positional, self.calls, self.conditional = saved, self.calls - 1, self.conditional - 1
             return
-        env = {name: self.text_of(self.scalar(value)) for name, _, value in prefix if name.startswith("SRUN_")}
-        exported = {n: self.text_of(self.vars.get(n, UNKNOWN)) for n in self.exported if n.startswith("SRUN_")}
+        env = {name: self.text_of(self.scalar(value)) for name, _, value in prefix if name.startswith(SRUN_READS)}
+        exported = {n: self.text_of(self.vars.get(n, UNKNOWN)) for n in self.exported if n.startswith(SRUN_READS)}
         self.sink(Ran(fields, env, node.line, self.conditional > 0, {**exported, **env}))
 
     def eval(self, args: list[str]) -> None:

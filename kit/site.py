@@ -189,18 +189,22 @@ def check_cpus(job: Job, gpus_per_task: int, tasks_per_node: list[int], findings
     t = JEAN_ZAY[ntype] if ntype else None
     per_gpu = t.cores // t.gpus if t and t.cores and t.gpus else None
     want = per_gpu * gpus_per_task if per_gpu and gpus_per_task else None
-    if job.cpus_per_task is None:
+    if job.cpus_per_task is None and job.cpus_per_gpu:  # the cores come with the GPUs: --cpus-per-gpu x GPUs
+        check_cpus_per_gpu(job, t, per_gpu, findings)
+    elif job.cpus_per_task is None:
         if gpus_per_task or (t and t.gpus):
             findings.warn("cpus-per-task-missing",
                           "--cpus-per-task is not given: each task gets 1 core for itself and its DataLoader workers "
                           "(and on Jean Zay only 1 core's share of memory); "
                           + (f"add --cpus-per-task={want} ({per_gpu} per GPU x {gpus_per_task} GPUs)" if want
                              else "add --cpus-per-task=<cores per GPU x GPUs per task>"))
-    elif want and job.cpus_per_task < want:
+    elif want and (job.step_cpus_per_task or job.cpus_per_task) < want:
+        said = f"srun -c {job.step_cpus_per_task}" if job.step_cpus_per_task else f"--cpus-per-task={job.cpus_per_task}"
         findings.warn("cpus-per-task-small",
-                      f"--cpus-per-task={job.cpus_per_task} is below the {want} cores that go with {gpus_per_task} "
-                      f"GPU(s) on {t.label}; memory is granted per reserved core there: use --cpus-per-task={want}")
-    elif gpus_per_task and job.cpus_per_task < 2:
+                      f"{said} is below the {want} cores that go with {gpus_per_task} GPU(s) on {t.label}; memory is "
+                      f"granted per reserved core there: use {said.rpartition(' ')[0] or '--cpus-per-task'}"
+                      f"{'=' if not job.step_cpus_per_task else ' '}{want}")
+    elif gpus_per_task and (job.step_cpus_per_task or job.cpus_per_task) < 2:
         findings.warn("cpus-per-task-small", f"--cpus-per-task={job.cpus_per_task} leaves no core for DataLoader "
                       "workers; use at least 2")
     if t and t.cores and job.cpus_per_task and tasks_per_node:
@@ -208,12 +212,28 @@ def check_cpus(job: Job, gpus_per_task: int, tasks_per_node: list[int], findings
         if job.cpus_per_task * busiest > t.cores:
             findings.error("cpus-exceed-node",
                            f"{busiest} task(s) x --cpus-per-task={job.cpus_per_task} = "
-                           f"{busiest * job.cpus_per_task} cores, but {t.label} have {t.cores}; "
+                           f"{busiest * job.cpus_per_task} cores, but {t.label} have {t.cores}: sbatch refuses the "
+                           "job ('CPU count per node can not be satisfied', measured); "
                            f"use --cpus-per-task <= {max(1, t.cores // busiest)}")
     hints = [h.lower() for h in value_tokens(job.hint or "")]
     if "nomultithread" not in hints and all(h in HINTS for h in hints if h):  # a hint sbatch refuses: bad-value
         findings.warn("hint-missing", "--hint=nomultithread is not set: tasks get hyperthreads instead of "
                       "physical cores (Jean Zay's advice for its jobs is --hint=nomultithread)")
+
+
+def check_cpus_per_gpu(job: Job, t: NodeType | None, per_gpu: int | None, findings: Findings) -> None:
+    """--cpus-per-gpu: the allocation holds that many cores per GPU on each node (measured on the test cluster:
+    --cpus-per-gpu=24 with 4 GPUs held 96 cores); more than the node has is refused, fewer than its share leaves
+    memory unused on Jean Zay (granted per core)."""
+    gpn, cpg = job.gpus_per_node, job.cpus_per_gpu
+    where = job.option_lines.get("cpus-per-gpu", "the directives")
+    if t and t.cores and gpn and cpg * gpn > t.cores:
+        findings.error("cpus-exceed-node", f"{where}: --cpus-per-gpu={cpg} x {gpn} GPU(s) = {cpg * gpn} cores per "
+                       f"node, but {t.label} have {t.cores}: sbatch refuses the job ('Requested node configuration "
+                       f"is not available', measured); use --cpus-per-gpu <= {t.cores // gpn}")
+    elif per_gpu and cpg < per_gpu:
+        findings.warn("cpus-per-task-small", f"{where}: --cpus-per-gpu={cpg} is below the {per_gpu} cores per GPU of "
+                      f"{t.label}; memory is granted per reserved core there: use --cpus-per-gpu={per_gpu}")
 
 
 def qos_of(job: Job) -> tuple[str | None, str | None]:

@@ -570,7 +570,9 @@ def test_parse_errors(tmp_path):
                       "srun --gres=gpu:2 python bench_ddp_transformer.py --engine x --layout y --schedule z 'q\n")
     job, training, findings = kit.jobscript.read_sbatch(script)
     codes = {f.code for f in findings}
-    assert {"bad-directive", "node-range", "gpu-bind-mask", "hetjob", "gpu-bind-closest", "bad-command"} <= codes, codes
+    assert {"bad-directive", "node-range", "gpu-bind-mask", "gpu-bind-closest", "bad-command"} <= codes, codes
+    # the hetjob line starts component 1, which the line after it describes (component 0 keeps its own)
+    assert [c.gpu_bind for c in job.components] == ["mask_gpu:0x3", "closest"] and job.components[0] is job
     script.write_text("#!/bin/bash\n#SBATCH -N 1 --gres=gpu:4\n"
                       "srun --gres=gpu:2 python bench_ddp_transformer.py --engine x --layout y --schedule z\n")
     job, training, findings = kit.jobscript.read_sbatch(script)
