@@ -14,7 +14,8 @@ from kit.findings import Findings, UsageError, guarded
 from kit.jobscript import LaunchLine, apply_step, workers_of
 from kit.memory import (GIB, NotEstimated, estimate_memory, estimate_stage_memory, format_memory, memory_fixes, requested_arch,
     shared_gpu_memory)
-from kit.placement import allocation_tasks, gpu_view, packing, step_gpus_per_node, step_placement
+from kit.placement import (allocation_cores, allocation_tasks, gpu_view, packing, step_gpus_per_node,
+    step_placement)
 from kit.plan import TaskPlan, page_indexing, plan_task
 from kit.releases import torch_version_of
 from kit.report import Report
@@ -290,9 +291,17 @@ def check_gpu_request(job: Job, gpn: int | None, findings: Findings) -> None:
             findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) "
                            "or --gpus-per-node=N")
     elif t and gpn > t.gpus:
-        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {t.label} have {t.gpus}"
-                       + (f"; use --gres=gpu:{t.gpus} or another partition (-p gpu_p2 / -C a100 for 8 GPUs)"
-                          if t.gpus else "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
+        findings.error("gpus-exceed-node", gpus_exceed_message(gpn, t))
+
+
+def gpus_exceed_message(gpn: int, t) -> str:
+    """More GPUs per node than the node type has: what sbatch says (measured: --gres=gpu:8 on the 4-GPU nodes) and
+    the fix."""
+    return (f"{gpn} GPUs per node requested but {t.label} have {t.gpus}: sbatch refuses the job ('Requested node "
+            "configuration is not available', measured)"
+            + (f"; use --gres=gpu:{t.gpus}" + (" or another partition (-p gpu_p2 / -C a100 for 8 GPUs)" if t.gpus < 8
+                                               else "") if t.gpus else
+               "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
 
 
 def check_even(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
@@ -318,15 +327,15 @@ def check_other_program(job: Job, training: Training, findings: Findings) -> Rep
         return Report(job, training, [], findings, ["nothing planned: more tasks than the nodes run"])
     gpn = step_gpus_per_node(job, shape, findings)
     job.gpus_per_node = gpn
+    allocation_cores(job, shape, ntasks)  # job.cores_per_node, for the report
     ntype = node_type(job)
     t = JEAN_ZAY[ntype] if ntype else None
     if not gpn and t and t.gpus:
         findings.warn("no-gpus", f"the job asks for {t.label} but for no GPU: it gets none; add --gres=gpu:N, or "
                       "use a CPU partition (-p cpu_p1, prepost) for work without GPUs")
     elif gpn and t and gpn > t.gpus:
-        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {t.label} have {t.gpus}"
-                       + (f"; use --gres=gpu:{t.gpus} or another partition (-p gpu_p2 / -C a100 for 8 GPUs)"
-                          if t.gpus else "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
+        findings.error("gpus-exceed-node", gpus_exceed_message(gpn, t))
+        gpn = job.gpus_per_node = t.gpus or None  # sbatch refuses the request: what follows is of the node's GPUs
     check_gpu_cgroups(job, shape, gpn, findings)
     stepped = any(x.srun is not None for x in job.launches)
     for launch in job.launches:

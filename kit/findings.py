@@ -39,14 +39,15 @@ class UsageError(Exception):
     """Bad command line or unreadable file: exit 2."""
 
 
-def internal_error(findings: Findings, where: str, exc: BaseException) -> None:
+def internal_error(findings: Findings, where: str, exc: BaseException, check: str = "") -> None:
     """One finding for a check that failed unexpectedly on this script (a bug of the checker, not of the script):
-    where it was, what was raised and in which function, and a request to report it. The checker exits 2."""
+    where it was, which check, what was raised and where, and a request to report it. The checker exits 2."""
     import traceback  # only on this path
     frames = traceback.extract_tb(exc.__traceback__)
-    at = f" in {frames[-1].name} ({frames[-1].filename.rpartition('/')[2]}:{frames[-1].lineno})" if frames else ""
+    at = f" at {frames[-1].filename.rpartition('/')[2]}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     text = str(exc)
-    findings.error("internal-error", f"{where}: the checker failed while judging this ({type(exc).__name__}{at}: "
+    findings.error("internal-error", f"{where}: the checker failed while judging this ({check + ': ' if check else ''}"
+                   f"{type(exc).__name__}{at}: "
                    f"{text[:200] + '...' if len(text) > 200 else text}); the other checks ran, but this verdict is "
                    "incomplete: please report it with the script (it is the checker's bug, not the script's)")
 
@@ -59,7 +60,7 @@ def guarded(findings: Findings, where: str, check, *args, **kwargs):
     except UsageError:
         raise
     except Exception as exc:  # any bug of a check: said, never raised at the user
-        internal_error(findings, where, exc)
+        internal_error(findings, where, exc, getattr(check, "__name__", ""))
         return None
 
 # Every finding the checker can give, with its level: `--json` carries these codes, and docs/checker.md (section 9)

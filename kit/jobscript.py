@@ -19,7 +19,7 @@ from kit.findings import Finding, Findings, UsageError, guarded
 from kit.releases import torch_version_of
 from kit.shell import HereDoc, PER_TASK, Ran, ShellRun, StopScript, TooComplex, UNKNOWN
 from kit.slurm import (COUNT_LIMITS, Job, apply_option, apply_srun_option, array_indices, check_option_conflicts,
-    check_option_values, het_groups, index_ranges, parse_options, signal_name)
+    check_option_values, het_groups, implicit_ntasks, index_ranges, parse_options, signal_name)
 
 
 # slurmctld refuses a batch script longer than max_script_size, 4 MiB unless SchedulerParameters says otherwise
@@ -505,7 +505,8 @@ def batch_variables(job: Job) -> dict:
 def request_counts(job: Job) -> tuple[int | None, int | None]:
     """The nodes and tasks a request fixes (SLURM_NNODES, SLURM_NTASKS as sbatch sets them), None where Slurm decides."""
     nodes = job.nodes if job.nodes and "nodes" in job.options and "-" not in str(job.options.get("nodes")) else None
-    return nodes, job.ntasks or (nodes * job.ntasks_per_node if nodes and job.ntasks_per_node else None)
+    return nodes, job.ntasks or (nodes * job.ntasks_per_node if nodes and job.ntasks_per_node else None) or \
+        implicit_ntasks(job)
 
 
 MODULE_COMMANDS = ("module", "ml")

@@ -7,7 +7,7 @@ import re
 
 from kit.findings import Findings
 from kit.site import JEAN_ZAY, node_cap, node_type
-from kit.slurm import Job
+from kit.slurm import Job, implicit_ntasks
 
 
 # -- the placement: where Slurm puts the tasks and which GPUs each sees (measured on the test cluster) --
@@ -132,7 +132,8 @@ def step_placement(job: Job, findings: Findings, kit: bool = True) -> list[int]:
                               " --ntasks-per-node=1 (one per node)"))
         return [1]
     placed = step_tasks_per_node(job, caps, ntasks, nodes, findings)
-    implicit = job.ntasks is None and not job.ntasks_per_node and job.step_cpus_per_task  # srun counts by -c
+    implicit = (job.ntasks is None and not job.ntasks_per_node and job.step_cpus_per_task
+                and implicit_ntasks(job) is None)  # srun counts its tasks by -c
     if ((job.step_ntasks is None and job.step_nodes is None) or job.placement == "possible") and not implicit:
         check_allocation_shape(job, caps, ntasks, findings, kit)  # the job's shape
     return placed
@@ -144,7 +145,7 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
     k_step, m_step, j_step, c_step = job.step_ntasks, job.step_nodes, job.step_ntasks_per_node, job.step_cpus_per_task
     cores = allocation_cores(job, caps, ntasks) if caps is not None else None
     n_step = k_step if k_step is not None else ntasks  # srun inherits the job's task count (SLURM_NTASKS)
-    if k_step is None and job.ntasks is None and not job.ntasks_per_node and cores:
+    if k_step is None and job.ntasks is None and not job.ntasks_per_node and cores and implicit_ntasks(job) is None:
         # without SLURM_NTASKS srun counts its tasks itself (srun/libsrun/srun_job.c _set_ntasks): -N x
         # --ntasks-per-node, else with -c the cores each node holds // -c (measured: a --cpus-per-gpu=24 job of 4
         # GPUs holds 96 cores and `srun -c 48` ran 2 tasks), else one a node
@@ -285,8 +286,9 @@ def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) 
     if per_node and gpt and gpt * busiest != per_node:
         findings.error("gpu-request-conflict",
                        f"--gpus-per-task={gpt} x {busiest} task(s) per node = {gpt * busiest} GPUs disagrees with "
-                       f"{'--gres=gpu:' if gres else '--gpus-per-node='}{per_node}: sbatch refuses the job (22.05: "
-                       f"'Requested node configuration is not available'); keep one of them")
+                       f"{'--gres=gpu:' if gres else '--gpus-per-node='}{per_node}: sbatch refuses the job ('Failed to "
+                       "validate job spec. Based on --gres=gpu/--gpus-per-node and --gpus-per-task requested number of "
+                       "tasks per node differ from --ntasks-per-node.', measured); keep one of them")
     if per_node and total and total != per_node * nodes:
         findings.error("gpu-request-conflict",
                        f"--gpus={total} disagrees with {'--gres=gpu:' if gres else '--gpus-per-node='}{per_node} "

@@ -48,7 +48,7 @@ V100_HOURS = {"t3": 20, "dev": 2, "t4": 100}
 #   assoc` listings in users' notes. IDRIS's own QoS table was not reachable: per-job GPU limits of the A100 and
 #   H100 QoS are not checked.
 # - cores: 40 per V100 node and per cpu_p1 node (2 x Cascade Lake 6248), 24 on gpu_p2, 48 on gpu_p4, 64 on gpu_p5
-#   (2 x AMD Milan), 96 on gpu_p6 (2 x 48-core Sapphire Rapids, press release of the 2024 extension); prepost's
+#   (2 x AMD Milan), 96 on gpu_p6 (24 a GPU in IDRIS's own H100 scripts: the row's comment); prepost's
 #   not confirmed. Memory is granted per reserved core.
 # - modules: `module load cpuarch/amd` for gpu_p5 (IDRIS's job-script template, as users' scripts copy it: "if you
 #   are using the gpu_p5 partition"), `module load arch/h100` before the others on gpu_p6.
@@ -63,6 +63,13 @@ JEAN_ZAY = {
                         ("qos_gpu_a100", "qos_gpu"), {"t3": 20, "dev": 2, "t4": 100}, 100, 10),
     "a100": NodeType("8-GPU A100 80 GB nodes (-C a100, gpu_p5)", ("gpu_p5",), 8, 81920 / 1024, 64, ("a100",),
                      ("qos_gpu_a100",), {"t3": 20, "dev": 2}, 20, 10, {"a100": 81920 / 1024}, arch="cpuarch/amd"),
+    # H100, checked 2026-12-07 against IDRIS's own sources: "CPU Partitions" (idris.fr/en/docs/jean-zay/slurm/
+    # slurm_partitions_cpu: gpu_p6 is "the Eviden H100 partition", compil_H100 compiles for it) and IDRIS's job
+    # scripts for these nodes (github.com/idriscnrs/picotron_tutorial_jean-zay, slurm/run_step*.slurm:
+    # --constraint=h100, --account=...@h100, --gres=gpu:4 with --ntasks-per-node=4 and --cpus-per-task=24, i.e. 24
+    # cores a GPU and 96 a node, --qos=qos_gpu_h100-dev, `module load arch/h100` before pytorch-gpu). The -t3 (the
+    # default) and -t4 names, and the hours, are users' (their scripts and sacctmgr listings), not IDRIS's pages:
+    # the stored "GPU Partitions" page stops before its H100 section.
     "h100": NodeType("4-GPU H100 nodes (-C h100, gpu_p6)", ("gpu_p6",), 4, 81559 / 1024, 96, ("h100",),
                      ("qos_gpu_h100",), V100_HOURS, 100, 10, {"h100": 81559 / 1024}, arch="arch/h100",
                      arch_required=True),

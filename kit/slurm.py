@@ -250,9 +250,18 @@ def bounded(name: str, count: int, where: str, findings: Findings) -> int | None
     shown = str(count) if len(str(count)) <= 12 else f"{str(count)[:6]}...({len(str(count))} digits)"
     shown = f"gpu:{shown}" if name == "gres" else shown
     findings.error("count-too-large", f"{where}: --{name}={shown} is more than any Jean Zay node or partition has "
-                   f"(the checker plans up to {limit}); Slurm refuses it ('Requested node configuration is not "
-                   f"available'): ask for what the nodes have")
+                   f"(the checker plans up to {limit}); {COUNT_FATE.get(name, COUNT_FATE['gres'])}: ask for what the "
+                   "nodes have")
     return None
+
+
+# What slurmctld 22.05 does with a count no node or partition holds (measured on the test cluster): tasks and nodes
+# are accepted and pend for good; GPUs and cores per GPU are refused at submission.
+COUNT_FATE = dict.fromkeys(("nodes", "ntasks", "ntasks-per-node", "cpus-per-task"),
+                           "sbatch accepts it and the job pends forever (squeue's reason: PartitionConfig, measured)")
+COUNT_FATE.update(dict.fromkeys(("gres", "gpus-per-node", "gpus", "cpus-per-gpu"), "sbatch refuses it ('Requested "
+                                "node configuration is not available', measured)"))
+COUNT_FATE["gpus-per-task"] = "sbatch refuses it"
 
 
 def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
@@ -667,3 +676,39 @@ def signal_spec(value: str) -> tuple[bool, str, int] | None:
     if not m or option_value_problem("signal", value)[0]:
         return None
     return "B" in (m.group(1) or "").upper(), signal_name(m.group(2)), int(m.group(3) or 60)
+
+
+def implicit_ntasks(job: Job) -> int | None:
+    """The task count sbatch 22.05 sets by itself (sbatch/opt.c _opt_verify, "1 proc / min_[socket * core * thread]
+    default"): with -N N exact (or -B) and neither -n nor --ntasks-per-node, a --hint other than multithread, or
+    --threads-per-core / --cores-per-socket / --sockets-per-node / -B, make SLURM_NTASKS = N x their product, which
+    srun then inherits (measured: -N 1 --cpus-per-gpu=16 on 4 GPUs with --hint=nomultithread set SLURM_NTASKS=1 and
+    `srun -c 32` ran 1 task; without the hint, 2). None where sbatch sets none."""
+    o = job.options
+    if job.ntasks is not None or job.ntasks_per_node or "ntasks" in o or "ntasks-per-node" in o:
+        return None
+    if not (("nodes" in o and re.fullmatch(r"\d+", o["nodes"] or "")) or "extra-node-info" in o):
+        return None
+    factors = {}
+    b = re.fullmatch(r"(\d+|\*)(?::(\d+|\*))?(?::(\d+|\*))?", o.get("extra-node-info") or "")
+    for name, value in zip(("sockets", "cores", "threads"), b.groups() if b else ()):
+        if value and value != "*":
+            factors[name] = int(value)
+    for name, option in (("sockets", "sockets-per-node"), ("cores", "cores-per-socket"), ("threads", "threads-per-core")):
+        if (o.get(option) or "").isdigit():
+            factors[name] = int(o[option])
+    hints = [h.lower() for h in value_tokens(o.get("hint") or "")] if "hint" in o and not (
+        {"ntasks-per-core", "threads-per-core", "extra-node-info"} & set(o)) else []  # validate_hint_option
+    for h in hints:  # proc_args.c verify_hint: the last word decides each count
+        if h in ("compute_bound", "nomultithread"):
+            factors["threads"] = 1
+        elif h == "memory_bound":
+            factors.update(cores=1, threads=1)
+        elif h == "multithread":
+            factors.pop("threads", None)
+    if not factors:
+        return None
+    count = int(o["nodes"]) if (o.get("nodes") or "").isdigit() else 1
+    for value in factors.values():
+        count *= value
+    return count
