@@ -37,7 +37,10 @@ def job_from_allocation(env: dict[str, str]) -> Job:
     job = Job(
         nodes=num("SLURM_JOB_NUM_NODES") or num("SLURM_NNODES"),
         ntasks=num("SLURM_NTASKS"), ntasks_per_node=num("SLURM_NTASKS_PER_NODE"),
-        tasks_per_node=idr_torch.parse_tasks_per_node(tpn, "SLURM_TASKS_PER_NODE") if tpn else None,
+        # without a task count (no SLURM_NTASKS) the batch step's SLURM_TASKS_PER_NODE is no task count: it held the
+        # cores (96, 40(x2)) for --cpus-per-gpu jobs (measured); srun runs one task a node there, as planned without
+        tasks_per_node=idr_torch.parse_tasks_per_node(tpn, "SLURM_TASKS_PER_NODE") if tpn and env.get(
+            "SLURM_NTASKS") else None,
         gpus_per_node=num("SLURM_GPUS_ON_NODE") or (len(gpus.split(",")) if gpus else None),
         gpus_per_task=num("SLURM_GPUS_PER_TASK"), gpu_bind=env.get("SLURM_GPU_BIND") or None,
         cpus_per_task=num("SLURM_CPUS_PER_TASK"), hint=env.get("SLURM_HINT") or None,

@@ -52,12 +52,13 @@ def internal_error(findings: Findings, where: str, exc: BaseException, check: st
                    "incomplete: please report it with the script (it is the checker's bug, not the script's)")
 
 
-def guarded(findings: Findings, where: str, check, *args, **kwargs):
+def guarded(findings: Findings, where: str, check, *args, passing: tuple = (), **kwargs):
     """check(*args, **kwargs), or None where it raised: an unexpected exception becomes internal_error's finding,
-    so that one failing check never stops the others (issue 40). A UsageError (exit 2 with its own line) passes."""
+    so that one failing check never stops the others (issue 40). A UsageError (exit 2 with its own line) passes, and
+    so do the `passing` exceptions (a reading's own control flow: kit.shell's TooComplex, StopScript)."""
     try:
         return check(*args, **kwargs)
-    except UsageError:
+    except (UsageError, *passing):
         raise
     except Exception as exc:  # any bug of a check: said, never raised at the user
         internal_error(findings, where, exc, getattr(check, "__name__", ""))

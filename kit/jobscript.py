@@ -589,8 +589,12 @@ class Element:
     findings: Findings
 
 
-# array elements read one by one at most (each reading takes a few milliseconds); the others are said unchecked
+# array elements read one by one at most (each reading takes a few milliseconds), and the CPU seconds all of them
+# may take (a script that spends the reading's budget on every element would cost it 128 times); the others are said
+# unchecked
 MAX_ELEMENTS_READ = 128
+
+ELEMENTS_SECONDS = 1.0
 
 _ARRAY_VARIABLE = re.compile(r"SLURM_ARRAY_TASK_(?:ID|MIN|MAX|COUNT|STEP)")
 
@@ -636,7 +640,12 @@ def read_elements(text: str, name: str, job: Job, findings: Findings, indices: l
     MAX_ELEMENTS_READ; elements that run the same commands are one Element."""
     groups: dict[tuple, Element] = {}
     m = re.fullmatch(r"\[?(\d+)-(\d+)(?::(\d+))?\]?(%\d*)?", job.options.get("array") or "")
+    start, read = time.process_time(), []
     for n, index in enumerate(indices[:MAX_ELEMENTS_READ]):
+        if n and (time.process_time() - start > ELEMENTS_SECONDS or any(
+                f.code == "too-complex" for e in groups.values() for f in e.findings)):
+            break
+        read.append(index)
         e_job, e_training, e_findings = body_copy(job), Training(), Findings()
         variables = batch_variables(e_job)
         known = {"SLURM_ARRAY_TASK_ID": index, "SLURM_ARRAY_TASK_MIN": indices[0],
@@ -656,11 +665,11 @@ def read_elements(text: str, name: str, job: Job, findings: Findings, indices: l
             groups[key] = Element([index], e_job, e_training, e_findings)
     first = next(iter(groups.values()))
     first.job.elements = list(groups.values())
-    if len(indices) > MAX_ELEMENTS_READ:
+    if len(read) < len(indices):
         findings.warn("array-partly-checked", f"{job.option_lines.get('array', name)}: --array="
-                      f"{job.options.get('array')} has {len(indices)} elements: the first {MAX_ELEMENTS_READ} are read "
-                      f"one by one (elements {index_ranges(indices[:MAX_ELEMENTS_READ])}); the other "
-                      f"{len(indices) - MAX_ELEMENTS_READ} are not checked: check them with a shorter --array")
+                      f"{job.options.get('array')} has {len(indices)} elements: the first {len(read)} are read "
+                      f"one by one (elements {index_ranges(read)}); the other {len(indices) - len(read)} are not "
+                      "checked (the reading has a budget: 128 elements, a second): check them with a shorter --array")
     return first.job, first.training, findings
 
 
@@ -684,7 +693,8 @@ def read_body(text: str, name: str, job: Job, training: Training, findings: Find
         for x in found:
             x.conditional = r.conditional
         launches.extend(found)
-    shell.sink = lambda r: guarded(findings, f"{name}:{r.line}", sink, r)
+    shell.sink = lambda r: guarded(findings, f"{name}:{r.line}", sink, r,
+                                   passing=(TooComplex, StopScript, RecursionError))
     try:
         lexer = shell.run_script(text)
         heredocs = lexer.heredocs

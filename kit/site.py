@@ -214,8 +214,10 @@ def check_cpus(job: Job, gpus_per_task: int, tasks_per_node: list[int], findings
     elif gpus_per_task and (job.step_cpus_per_task or job.cpus_per_task) < 2:
         findings.warn("cpus-per-task-small", f"--cpus-per-task={job.cpus_per_task} leaves no core for DataLoader "
                       "workers; use at least 2")
-    if t and t.cores and job.cpus_per_task and tasks_per_node:
-        busiest = max(tasks_per_node)
+    # the request's own tasks a node (what sbatch judges: --ntasks-per-node, or -n on one node), not a step's: srun
+    # gives a step's task 1 core without -c (measured: -N 1 -c 10 ran `srun -n 5`)
+    busiest = job.ntasks_per_node or (job.ntasks if job.ntasks and (job.nodes or 1) == 1 else None)
+    if t and t.cores and job.cpus_per_task and busiest:
         if job.cpus_per_task * busiest > t.cores:
             findings.error("cpus-exceed-node",
                            f"{busiest} task(s) x --cpus-per-task={job.cpus_per_task} = "

@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import check_topology as ct
+import kit.allocation
+import kit.arguments
 import kit.checks
 import kit.jobscript
 import kit.slurm
@@ -62,6 +64,20 @@ def test_cpus_per_gpu_with_srun_c_is_two_tasks_not_a_crash(tmp_path, program):
         assert [(t["node"], t["nb_part"]) for t in report["tasks"]] == [(0, 2), (0, 2)]
 
 
+def test_the_allocation_of_a_cpus_per_gpu_job(monkeypatch):
+    """`python check_topology.py` in the batch step of a --cpus-per-gpu job, with the variables the test cluster's
+    batch step had (measured: SLURM_TASKS_PER_NODE holds the cores there, 96): one task a node (what a plain srun
+    runs), 96 cores, no false 'cpus-per-task-missing'."""
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1", "SLURM_CPUS_PER_GPU": "24",
+           "SLURM_GPUS_ON_NODE": "4", "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_JOB_CPUS_PER_NODE": "96",
+           "SLURM_TASKS_PER_NODE": "96", "SLURM_JOB_PARTITION": "gpu_p6", "SLURM_MEM_PER_GPU": "10240"}
+    job = kit.allocation.job_from_allocation(env)
+    assert (job.cpus_per_gpu, job.mem_per_gpu, job.cores_per_node, job.tasks_per_node) == (24, 10240, [96], None)
+    report = kit.checks.check_job(job, kit.arguments.Training(nlayers=8, chunks=16))
+    assert [t.nb_part for t in report.tasks] == [4], report.tasks
+    assert not {"cpus-per-task-missing", "cpus-per-task-small"} & {f.code for f in report.findings}, report.findings
+
+
 def test_a_check_that_raises_is_one_finding_and_the_others_run(tmp_path, monkeypatch):
     """An unexpected exception in a check (here the bubble's, and the batch shell's reading of one command) is one
     internal-error finding naming the script's line and asking for a report, exit 2; the other checks still give
@@ -108,6 +124,17 @@ def test_an_array_too_long_to_read_says_which_elements_it_checked(tmp_path):
     assert "300 elements" in partly and "elements 0-127" in partly and "other 172" in partly, partly
     assert report["job"]["elements"] and sum(len(e) for e in report["job"]["elements"]) == 128
     assert code == 0, report["findings"]  # 8 layers and fewer on nb_part 1: nothing an element refuses
+
+
+def test_an_array_does_not_multiply_a_costly_reading(tmp_path):
+    """A script whose reading spends the shell's whole budget is not read again for each of 1000 elements: the
+    reading stops after the first such element and says so."""
+    start = time.process_time()
+    code, report = check(tmp_path, "#!/bin/bash\n#SBATCH -N 1 --gres=gpu:4 --array=0-999\n"
+                                   "srun bash -c 'f() { f; f; f; f; f; f; f; f; }; f'\nsrun python t.py $SLURM_ARRAY_TASK_ID\n")
+    assert time.process_time() - start < 5
+    codes = [f["code"] for f in report["findings"]]
+    assert "too-complex" in codes and "array-partly-checked" in codes and "internal-error" not in codes, codes
 
 
 # -- no job script makes the checker print a traceback --
