@@ -148,6 +148,7 @@ def send_report(launch: idr_torch.Launch, facts: dict, timeout: float = 120.0) -
 def check_in_step(launch: idr_torch.Launch, training: Training,
                   gpu_mem: float | None = None) -> tuple[Report | None, int]:
     """srun python check_topology.py: every task checks what it sees; rank 0 prints one report."""
+    defaulted = {"nlayers"} if training.nlayers is None else set()
     if training.nlayers is None:  # the trainer's default for what this task sees
         training.nlayers = (GPU_DEFAULTS if launch.visible_gpus else CPU_DEFAULTS)["nlayers"]
     facts = task_facts(launch, training)
@@ -169,7 +170,7 @@ def check_in_step(launch: idr_torch.Launch, training: Training,
         if job.gpus_per_node is None and f.get("gpus_on_node") is not None:
             job.gpus_per_node = f["gpus_on_node"]
     dedupe_findings(findings)
-    report = Report(job, training, plans, findings)
+    report = Report(job, training, plans, findings, defaulted=defaulted)  # the line's options, not the defaults
     if any(not p.cpu for p in plans):
         job.gpu_mem_seen = gpus_memory_here()
     gpn = job.gpus_per_node

@@ -291,17 +291,23 @@ def check_gpu_request(job: Job, gpn: int | None, findings: Findings) -> None:
             findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) "
                            "or --gpus-per-node=N")
     elif t and gpn > t.gpus:
-        findings.error("gpus-exceed-node", gpus_exceed_message(gpn, t))
+        findings.error("gpus-exceed-node", gpus_exceed_message(gpn, t, job))
 
 
-def gpus_exceed_message(gpn: int, t) -> str:
-    """More GPUs per node than the node type has: what sbatch says (measured: --gres=gpu:8 on the 4-GPU nodes) and
-    the fix."""
+def gpus_exceed_message(gpn: int, t, job: Job | None = None) -> str:
+    """More GPUs per node than the node type has: what sbatch says (measured: --gres=gpu:8 and --gpus-per-task=2 x
+    3 tasks on the 4-GPU nodes) and the fix, in the option the request used."""
+    gpt = job.gpus_per_task if job and not {"gres", "gpus-per-node", "gpus"} & set(job.options) else None
+    if not t.gpus:
+        fix = "ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"
+    elif gpt:
+        fix = (f"use --ntasks-per-node <= {max(1, t.gpus // gpt)} or --gpus-per-task <= "
+               f"{max(1, t.gpus // max(1, gpn // gpt))}")
+    else:
+        fix = f"use --gres=gpu:{t.gpus}" + (" or another partition (-p gpu_p2 / -C a100 for 8 GPUs)" if t.gpus < 8
+                                             else "")
     return (f"{gpn} GPUs per node requested but {t.label} have {t.gpus}: sbatch refuses the job ('Requested node "
-            "configuration is not available', measured)"
-            + (f"; use --gres=gpu:{t.gpus}" + (" or another partition (-p gpu_p2 / -C a100 for 8 GPUs)" if t.gpus < 8
-                                               else "") if t.gpus else
-               "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
+            f"configuration is not available', measured); {fix}")
 
 
 def check_even(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
@@ -334,7 +340,7 @@ def check_other_program(job: Job, training: Training, findings: Findings) -> Rep
         findings.warn("no-gpus", f"the job asks for {t.label} but for no GPU: it gets none; add --gres=gpu:N, or "
                       "use a CPU partition (-p cpu_p1, prepost) for work without GPUs")
     elif gpn and t and gpn > t.gpus:
-        findings.error("gpus-exceed-node", gpus_exceed_message(gpn, t))
+        findings.error("gpus-exceed-node", gpus_exceed_message(gpn, t, job))
         gpn = job.gpus_per_node = t.gpus or None  # sbatch refuses the request: what follows is of the node's GPUs
     check_gpu_cgroups(job, shape, gpn, findings)
     stepped = any(x.srun is not None for x in job.launches)

@@ -800,18 +800,76 @@ class ShellRun:
                     pass
                 self.vars = dict(saved)
         elif kind == "if":
-            pairs = [Node("seq", children=[c, b]) for c, b in zip(node.children[::2], node.children[1::2])]
-            self.branch(*pairs, taken_for_sure=node.name == "else")
+            self.run_if(node)
         elif kind == "loop":
             if node.name:
                 self.vars[node.name] = UNKNOWN  # one of its words, or what the loop reads
             self.branch(Node("seq", children=node.children))
         elif kind == "case":
-            self.branch(*node.children, taken_for_sure=any(c.name.strip() in ("*", "(*") for c in node.children))
+            arm = self.case_arm(node)
+            if arm is not None:  # the word is known (an array element's index): bash runs the first arm it matches
+                self.run(arm)
+            else:
+                self.branch(*node.children, taken_for_sure=any(c.name.strip() in ("*", "(*") for c in node.children))
         elif kind == "func":
             self.functions[node.name] = node.children[0]
         elif kind == "simple":
             self.simple(node)
+
+    def run_if(self, node: Node) -> None:
+        """if/elif/else: a condition this reading can decide (a `[ ... ]` or `test` of known values) picks its branch
+        as bash does; from the first one it cannot decide on, every remaining branch may run (branch)."""
+        conditions, bodies = node.children[::2], node.children[1::2]
+        for n, (condition, body) in enumerate(zip(conditions, bodies)):
+            verdict = self.decided(condition)
+            if verdict is None:
+                pairs = [Node("seq", children=[c, b]) for c, b in zip(conditions[n:], bodies[n:])]
+                self.branch(*pairs, taken_for_sure=node.name == "else")
+                return
+            if verdict:
+                self.run(Node("seq", children=[condition, body]))
+                return
+
+    TESTS = {"-eq": lambda a, b: a == b, "-ne": lambda a, b: a != b, "-lt": lambda a, b: a < b,
+             "-le": lambda a, b: a <= b, "-gt": lambda a, b: a > b, "-ge": lambda a, b: a >= b}
+
+    def decided(self, condition: Node) -> bool | None:
+        """A condition's outcome where this reading knows it: no command (an else), or one `[ A OP B ]` / `test`
+        of known words (-eq ... -ge between integers, = == != between strings, -z / -n); None otherwise."""
+        if not condition.children:
+            return True
+        if len(condition.children) != 1 or condition.children[0].kind != "simple":
+            return None
+        words = condition.children[0].words
+        values = [self.text_of(self.scalar(w)) for w in words[:6]]
+        if None in values or len(words) > 5 or not values or values[0] not in ("[", "test"):
+            return None
+        args = values[1:-1] if values[0] == "[" and values[-1] == "]" else values[1:] if values[0] == "test" else None
+        if args is None:
+            return None
+        if len(args) == 2 and args[0] in ("-z", "-n"):
+            return (args[1] == "") == (args[0] == "-z")
+        if len(args) == 3 and args[1] in ("=", "==", "!="):
+            return (args[0] == args[2]) != (args[1] == "!=")
+        if len(args) == 3 and args[1] in self.TESTS and all(re.fullmatch(r"-?\d{1,18}", a) for a in args[::2]):
+            return self.TESTS[args[1]](int(args[0]), int(args[2]))
+        return None
+
+    def case_arm(self, node: Node) -> Node | None:
+        """The arm bash runs for a case whose word is known: the first whose pattern matches (glob, as fnmatch reads
+        it), or an empty one; None where the word or a pattern before the match is not known."""
+        import fnmatch
+        value = self.text_of(self.scalar(node.words[0])) if node.words else None
+        if value is None:
+            return None
+        for arm in node.children:
+            for pattern in arm.name.split("|"):
+                pattern = pattern.strip().lstrip("(")
+                if "$" in pattern or "`" in pattern:
+                    return None
+                if fnmatch.fnmatchcase(value, pattern):
+                    return arm
+        return Node("seq")
 
     ASSIGNMENT = re.compile(r"([A-Za-z_]\w*)(\[[^\]]*\])?(\+?)=")
 

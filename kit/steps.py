@@ -262,35 +262,38 @@ def check_exports(job: Job, steps: list[Step], findings: Findings) -> None:
     only. Measured: `srun bash -c ...` failed, 'execve(): bash: No such file or directory', exit code 2; the same
     with `export SLURM_EXPORT_ENV=ALL` or `srun --export=ALL` ran; `srun /bin/bash` ran with no module's PATH."""
     export = job.options.get("export")
-    if export is None or export_restores(export):
-        return
     launches = list({id(x): x for x in [s.launch for s in steps if s.launch] + list(job.launches)}.values())
     bare, absolute = [], []
     for launch in launches:
         if launch.srun is None:
             continue
+        # srun's own --export, else SRUN_EXPORT_ENV (it overrides), else SLURM_EXPORT_ENV as the script leaves it
+        # (sbatch's --export: batch_variables), else ALL (srun/libsrun/opt.c env_vars)
         own = next((v for n, v in reversed(launch.srun) if n == "export"), None)
         env = launch.env
-        value = own if own is not None else env.get("SRUN_EXPORT_ENV", env.get("SLURM_EXPORT_ENV", export)) if (
-            "SRUN_EXPORT_ENV" in env or "SLURM_EXPORT_ENV" in env or own is not None) else export
+        value = own if own is not None else env["SRUN_EXPORT_ENV"] if "SRUN_EXPORT_ENV" in env else env.get(
+            "SLURM_EXPORT_ENV", export)
         program = step_program(launch)
         if export_restores(value) or not program or "$" in program:
             continue
-        (absolute if "/" in program else bare).append((launch.where, program))
-    where = job.option_lines.get("export", "the directives")
+        (absolute if "/" in program else bare).append((launch.where, program, own))
+    where = job.option_lines.get("export", "the directives") if export and not export_restores(export) else ""
     if bare:
-        first, program = bare[0]
-        findings.error("export-no-path", f"{first}: srun starts '{program}' with no PATH: --export={export} "
-                       f"({where}) reaches the steps through SLURM_EXPORT_ENV, so they get the SLURM_* variables only "
-                       f"and slurmstepd cannot find the program ('execve(): {program}: No such file or directory', "
-                       f"the step exits 2, measured)"
-                       + (f"; {len(bare)} srun line(s): {', '.join(w.rpartition(':')[2] for w, _ in bare)}"
+        first, program, own = bare[0]
+        why = (f"srun --export={own} gives it" if own is not None else f"--export={export} ({where}) reaches the "
+               "steps through SLURM_EXPORT_ENV, so they get")
+        findings.error("export-no-path", f"{first}: srun starts '{program}' with no PATH: {why} the SLURM_* variables "
+                       f"only and slurmstepd cannot find the program ('execve(): {program}: No such file or "
+                       "directory', the step exits 2, measured)"
+                       + (f"; {len(bare)} srun line(s): {', '.join(w.rpartition(':')[2] for w, _, _ in bare)}"
                           if len(bare) > 1 else "")
-                       + "; add `export SLURM_EXPORT_ENV=ALL` after the #SBATCH lines (man sbatch), or srun "
-                       "--export=ALL")
+                       + ("; write srun --export=ALL (or a list naming PATH)" if own is not None else
+                          "; add `export SLURM_EXPORT_ENV=ALL` after the #SBATCH lines (man sbatch), or srun "
+                          "--export=ALL"))
     elif absolute:
-        first, program = absolute[0]
-        findings.warn("export-no-path", f"{first}: srun starts {program} with the SLURM_* variables only (--export="
-                      f"{export}, {where}, reaches the steps): no PATH, no LD_LIBRARY_PATH or other variable of the "
-                      "modules the script loads; add `export SLURM_EXPORT_ENV=ALL` after the #SBATCH lines, or srun "
-                      "--export=ALL")
+        first, program, own = absolute[0]
+        why = f"srun --export={own}" if own is not None else f"--export={export}, {where}, reaches the steps"
+        findings.warn("export-no-path", f"{first}: srun starts {program} with the SLURM_* variables only ({why}): no "
+                      "PATH, no LD_LIBRARY_PATH or other variable of the modules the script loads; "
+                      + ("write srun --export=ALL" if own is not None else "add `export SLURM_EXPORT_ENV=ALL` after "
+                         "the #SBATCH lines, or srun --export=ALL"))

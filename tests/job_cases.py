@@ -142,6 +142,15 @@ CASES = [
         step("-c 20", f"python {DDP} --check-args --nlayers 8 --batch-size 36 "
                       "--chunks ${CHUNKS[$SLURM_ARRAY_TASK_ID]}")),
         Fate("ran", "", "", ((0, 4, 0), (1, 4, 0), (2, 4, 0), (3, 4, 1)), (), ("chunks-not-dividing-batch",))),
+    Case("array, values from case and if", script(  # the index decides the branches, as bash takes them
+        f"{V100} -N 1 --ntasks-per-node=1 --gres=gpu:4 -c 40 --array=0-2",
+        'case "$SLURM_ARRAY_TASK_ID" in',
+        "  1) LAYERS=3 ;;",
+        "  *) LAYERS=8 ;;",
+        "esac",
+        'if [ "$SLURM_ARRAY_TASK_ID" -ge 2 ]; then CHUNKS=24; else CHUNKS=16; fi',
+        step("-c 40", f"python {DDP} --check-args --nlayers $LAYERS --chunks $CHUNKS --batch-size 64")),
+        Fate("ran", "", "", ((0, 8, 0), (1, 8, 1), (2, 8, 1)), (), ("nlayers-below-nb-part", "chunks-not-dividing-batch"))),
     # -- heterogeneous jobs: srun runs on component 0 unless --het-group says otherwise --
     Case("hetjob, plain srun and --het-group=1", script(
         f"{V100} -N 1 --ntasks=1 --gres=gpu:1 -c 4\nhetjob\n{V100} -N 2 --ntasks-per-node=2 --gres=gpu:4 -c 10",
@@ -182,6 +191,8 @@ CASES = [
         'scontrol requeue "$SLURM_JOB_ID"; echo "@step $LINENO $?"'),
         Fate("ran", "", RAN, ((-1, 3, 1),), (), ("Requested operation is presently disabled for job",)),
         warn=("requeue-disabled",)),
+    Case("srun --export=NONE", script("-N 1 -t 5", step("--export=NONE -n 1", "hostname")),
+         Fate("ran", "", RAN, ((-1, 3, 2),), (), ("execve(): hostname: No such file or directory",))),
     Case("--export=NONE, restored for one step", script(
         "-N 1 -t 5 --export=NONE",
         step("-n 1", "hostname"),
