@@ -34,9 +34,17 @@ class Report:
         return any(f.code == "internal-error" for f in self.findings)
 
     def plan_dict(self) -> dict:
-        return {"where": self.where, "training": asdict(self.training),
-                "tasks": [dict(asdict(t), first_part=t.first_part, last_part=t.last_part, contents=t.contents)
-                          for t in self.tasks], "notes": self.notes}
+        """The plan as --json gives it. Each task's fields are plain values and lists (vars() of the dataclass, not
+        asdict's deep copy), its parts' contents computed once per shape: tens of thousands of tasks, on every
+        trainer line of a script, stay well under a second."""
+        contents: dict[tuple, list[str]] = {}
+        tasks = []
+        for t in self.tasks:
+            shape = (t.nlayers, t.nb_part, id(t.own))
+            if shape not in contents:
+                contents[shape] = t.contents
+            tasks.append(dict(vars(t), first_part=t.first_part, last_part=t.last_part, contents=contents[shape]))
+        return {"where": self.where, "training": asdict(self.training), "tasks": tasks, "notes": self.notes}
 
     def as_dict(self) -> dict:
         job = asdict(replace(self.job, steps=[], elements=[], components=[]))

@@ -10,9 +10,9 @@ import os
 from collections.abc import Callable
 
 from kit.arguments import Training
-from kit.checks import check_job, check_whole
+from kit.checks import SMALL_STEPS, check_job, check_whole, layout_of_launch
 from kit.findings import Finding, Findings, guarded
-from kit.jobscript import Step
+from kit.jobscript import Step, step_group
 from kit.placement import allocation_tasks, packing, step_gpus_per_node
 from kit.report import Report
 from kit.site import node_cap
@@ -38,20 +38,35 @@ def checked(job: Job, training: Training, whole: bool = True) -> Report:
                                                                                    "internal-error finding"])
 
 
-def check_steps(job: Job, training: Training, tune: Tune) -> Report:
+# tasks planned in all, over a script's trainer lines and array elements: each plan holds up to
+# COUNT_LIMITS["ntasks"] tasks, and a script could repeat such a line many times (each one costs its plan and its
+# --json); past this many the later lines are said unplanned (too-complex)
+MAX_PLANNED_TASKS = 32768
+
+
+def check_steps(job: Job, training: Training, tune: Tune, planned: list[int] | None = None) -> Report:
     """Each kit trainer line on its own component, in order; the job's own checks once; each component; the
-    batch shell. Findings of a line are named by it where the script has several."""
+    batch shell. Each finding of a line is named by it. `planned`: the tasks planned so far (shared by elements)."""
     steps = job.steps if job.steps or not job.trainer else [Step(job.trainer_line, job, training)]
+    planned = [0] if planned is None else planned
     if not steps:
         report = checked(job, tune(training) if tune else training)
     else:
         reports = []
         for n, step in enumerate(steps):
+            if n and planned[0] > MAX_PLANNED_TASKS:
+                reports[0].findings.warn("too-complex", f"{step.launch.where}: the script's trainer lines plan more "
+                                         f"than {MAX_PLANNED_TASKS} tasks in all: this line and those after it are "
+                                         "not planned; check them with fewer tasks")
+                steps = steps[:n]
+                break
             share_site(job, step.job)
             t = tune(step.training) if tune and step.training is not training else step.training
             reports.append(checked(step.job, t, whole=False))
             reports[-1].where = step.launch.where if step.launch else None
+            planned[0] += len(reports[-1].tasks)
         report = merge_steps(job, steps, reports)
+        guarded(report.findings, job.source.rpartition("/")[2], check_other_lines, job, steps, report)
     guarded(report.findings, job.source.rpartition("/")[2], check_components, job, steps, report.findings)
     guarded(report.findings, job.source.rpartition("/")[2], check_batch_shell, job, steps, report.findings)
     return report
@@ -90,6 +105,23 @@ def merge_steps(job: Job, steps: list[Step], reports: list[Report]) -> Report:
     return first
 
 
+def check_other_lines(job: Job, steps: list[Step], report: Report) -> None:
+    """The script's other srun lines (a data copy, a test program, a launcher) beside its trainer lines: each placed
+    on its component and its launcher judged (kit.checks.layout_of_launch), its findings named by it; what the job's
+    own checks said already (the same code) is not said again."""
+    trainers = {id(s.launch) for s in steps}
+    said = {f.code for f in report.findings}
+    for launch in job.launches:
+        if id(launch) in trainers or launch.srun is None or launch.program in SMALL_STEPS:
+            continue
+        group = step_group(launch)
+        components = job.components or [job]
+        base = components[group] if group < len(components) else job
+        own = Findings()
+        guarded(own, launch.where, layout_of_launch, base, launch, base.gpus_per_node, own)
+        report.findings += [named(f, launch.where) for f in own if f.code not in said]
+
+
 def named(f: Finding, where: str) -> Finding:
     """The finding with its line in front, unless it names one already."""
     name = where.rpartition(":")[0]
@@ -103,10 +135,10 @@ def check_elements(job: Job, tune: Tune) -> Report:
     every element has is said once, the others name the elements they hold for."""
     spec = job.options.get("array")
     everyone = sorted(i for e in job.elements for i in e.indices)
-    results = []
+    results, planned = [], [0]
     for element in job.elements:
         share_site(job, element.job)
-        report = check_steps(element.job, element.training, tune)
+        report = check_steps(element.job, element.training, tune, planned)
         report.findings[:0] = element.findings
         results.append((element.indices, report))
     main = results[0][1]

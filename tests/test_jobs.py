@@ -19,6 +19,7 @@ import kit.arguments
 import kit.checks
 import kit.jobscript
 import kit.slurm
+import kit.steps
 from kit.findings import CATCHES
 from job_cases import CASES, NAME, verdict_problems
 
@@ -135,6 +136,17 @@ def test_an_array_does_not_multiply_a_costly_reading(tmp_path):
     assert time.process_time() - start < 5
     codes = [f["code"] for f in report["findings"]]
     assert "too-complex" in codes and "array-partly-checked" in codes and "internal-error" not in codes, codes
+
+
+def test_many_large_trainer_lines_stay_bounded(tmp_path, monkeypatch):
+    """Every trainer line is planned, but not without end: past kit.steps.MAX_PLANNED_TASKS tasks planned in all
+    (32768: ten lines of 20000 tasks would cost ten plans and their --json) the later lines are said unplanned
+    (too-complex). Here with a bound of 40 and lines of 24 tasks, so that the test stays cheap."""
+    monkeypatch.setattr(kit.steps, "MAX_PLANNED_TASKS", 40)
+    code, report = check(tmp_path, "#!/bin/bash\n#SBATCH -p gpu_p6 -C h100 --gres=gpu:4 --ntasks=24\n" + "".join(
+        f"srun python bench_ddp_transformer.py --nlayers {n}\n" for n in range(4, 14)))
+    [cut] = [f["message"] for f in report["findings"] if f["code"] == "too-complex"]
+    assert cut.startswith(f"{NAME}:5: ") and len(report["steps"]) == 1, (cut, len(report["steps"]))
 
 
 # -- no job script makes the checker print a traceback --
