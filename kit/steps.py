@@ -65,10 +65,12 @@ def check_steps(job: Job, training: Training, tune: Tune, planned: list[int] | N
             reports.append(checked(step.job, t, whole=False))
             reports[-1].where = step.launch.where if step.launch else None
             planned[0] += len(reports[-1].tasks)
-        report = merge_steps(job, steps, reports)
-        guarded(report.findings, job.source.rpartition("/")[2], check_other_lines, job, steps, report)
-    guarded(report.findings, job.source.rpartition("/")[2], check_components, job, steps, report.findings)
-    guarded(report.findings, job.source.rpartition("/")[2], check_batch_shell, job, steps, report.findings)
+        report = merge_steps(steps, reports)
+    where = job.source.rpartition("/")[2]
+    guarded(report.findings, where, check_components, job, steps, report.findings)
+    if steps:
+        guarded(report.findings, where, check_other_lines, job, report)
+    guarded(report.findings, where, check_batch_shell, job, steps, report.findings)
     return report
 
 
@@ -77,7 +79,7 @@ def share_site(job: Job, other: Job) -> None:
     other.site_rules, other.site, other.gpu_mem, other.source = job.site_rules, job.site, job.gpu_mem, job.source
 
 
-def merge_steps(job: Job, steps: list[Step], reports: list[Report]) -> Report:
+def merge_steps(steps: list[Step], reports: list[Report]) -> Report:
     """The first step's report holds the others' plans (report.steps) and their findings, each named by its line;
     a finding a later line repeats word for word is said once; then the job's own checks, on the first plan."""
     first = reports[0]
@@ -105,11 +107,11 @@ def merge_steps(job: Job, steps: list[Step], reports: list[Report]) -> Report:
     return first
 
 
-def check_other_lines(job: Job, steps: list[Step], report: Report) -> None:
+def check_other_lines(job: Job, report: Report) -> None:
     """The script's other srun lines (a data copy, a test program, a launcher) beside its trainer lines: each placed
     on its component and its launcher judged (kit.checks.layout_of_launch), its findings named by it; what the job's
     own checks said already (the same code) is not said again."""
-    trainers = {id(s.launch) for s in steps}
+    trainers = {id(s.launch) for s in job.steps}
     said = {f.code for f in report.findings}
     for launch in job.launches:
         if id(launch) in trainers or launch.srun is None or launch.program in SMALL_STEPS:
@@ -173,20 +175,18 @@ def merge_by_elements(parts: list[tuple[list[int], Findings]], everyone: list[in
 def check_components(job: Job, steps: list[Step], findings: Findings) -> None:
     """A heterogeneous job (#SBATCH hetjob): srun runs on component 0 unless --het-group says otherwise (measured);
     a group past the last is srun's refusal; a component no trainer line plans gets its request checked."""
-    components = job.components
-    for launch in [s.launch for s in steps if s.launch] + list(job.launches):
+    components, count = job.components, len(job.components) or 1
+    lines = {id(x): x for x in [s.launch for s in steps if s.launch] + list(job.launches)}
+    for launch in lines.values():
         value = next((v for n, v in reversed(launch.srun or []) if n == "het-group"), None)
         if value is None or "$" in value:
             continue
         groups = het_groups(value)
-        if not components:
-            findings.error("het-group", f"{launch.where}: srun --het-group={value} in a job that is not heterogeneous "
-                           "(no '#SBATCH hetjob' line): srun refuses the step; drop --het-group")
-        elif groups and groups[-1] >= len(components):
-            findings.error("het-group", f"{launch.where}: srun --het-group={value} but the job has "
-                           f"{len(components)} component(s), 0 to {len(components) - 1}: srun refuses the step "
-                           f"('Requested het-group offset exceeds highest hetjob index ({groups[-1]} > "
-                           f"{len(components) - 1})', measured); use --het-group <= {len(components) - 1}")
+        if groups and groups[-1] >= count:  # srun/libsrun/srun_job.c: the offsets past the job's components
+            findings.error("het-group", f"{launch.where}: srun --het-group={value} but the job has {count} "
+                           f"component(s), 0 to {count - 1}" + ("" if components else " (no '#SBATCH hetjob' line)")
+                           + f": srun refuses the step ('Requested het-group offset exceeds highest hetjob index "
+                           f"({groups[-1]} > {count - 1})', measured); use --het-group <= {count - 1}")
         elif groups and len(groups) > 1:
             findings.warn("het-group", f"{launch.where}: srun --het-group={value} starts one step over components "
                           f"{','.join(map(str, groups))} (ranks numbered across them, measured); the plan shows "
