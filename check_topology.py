@@ -15,7 +15,8 @@ task (--gpus-per-task, --gpu-bind) a task sees only its own GPUs, so its plan st
 Layers: a balanced contiguous split, the page's own split whenever nlayers % nb_part == 0; Encoder on the first
 part, Decoder on the last.
 
-Exit status: 0 clean (warnings allowed), 1 errors found, 2 usage error or unreadable file.
+Exit status: 0 clean (warnings allowed), 1 errors found, 2 usage error, unreadable file, or a check that failed
+(an internal-error finding: please report it).
 This file is the checker's command line; the checks live in the kit/ folder beside it (docs/architecture.md):
 kit.jobscript reads a job script (through kit.shell), kit.checks judges it with kit.slurm, kit.placement and
 kit.site, and the trainers build their model from kit.plan, so what this approves is what runs.
@@ -39,8 +40,10 @@ try:
         set_values, unknown_option)
     from kit.bounded import TOO_LARGE, number_shown, printable, whole_number
     from kit.checks import check_job
-    from kit.findings import UsageError
+    from kit.findings import Findings, UsageError, internal_error
     from kit.jobscript import read_sbatch
+    from kit.report import Report
+    from kit.steps import check_script
     from kit.site import JEAN_ZAY_DATE
     from kit.slurm import COUNT_LIMITS, Job
 except ImportError as exc:  # copied alone: the kit is a folder (README, "On the cluster")
@@ -64,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(  # no abbreviations, as in the trainers (kit.arguments)
         prog="check_topology.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
-        epilog="Exit status: 0 clean (warnings allowed), 1 errors, 2 usage error or unreadable file.")
+        epilog="Exit status: 0 clean (warnings allowed), 1 errors, 2 usage error, unreadable file, or an internal-error "
+               "finding (a check that failed: please report it).")
     p.add_argument("sbatch_file", nargs="?", help="an sbatch script to check before submitting it")
     plan = p.add_argument_group("planning without a cluster")
     plan.add_argument("--nodes", "-N", type=count)
@@ -221,11 +225,7 @@ def check(argv: list[str] | None) -> int:
         if args.sbatch_file:
             if planning:
                 raise UsageError("give either an sbatch file or planning flags (--nodes ...), not both")
-            job, training, findings = read_sbatch(args.sbatch_file)
-            job.gpu_mem, note = args.gpu_mem, use_site(job, args.site)
-            report = check_job(job, override(args, training))
-            report.findings[:0] = findings
-            report.notes.append(note)
+            report = check_file(args)
         elif planning:
             missing = [f"--{k.replace('_', '-')}" for k in ("nodes", "gpus_per_node") if getattr(args, k) is None]
             if missing and not (args.gpus_per_task and args.nodes):
@@ -249,7 +249,26 @@ def check(argv: list[str] | None) -> int:
         print(f"check_topology: {printable(str(exc))}", file=sys.stderr)  # a path or value with escapes
         return 2
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.text())
-    return 0 if report.ok else 1
+    return 2 if report.internal else 0 if report.ok else 1
+
+
+def check_file(args: argparse.Namespace):
+    """A job script: read as sbatch and bash read it, every step judged (kit.steps). Whatever a check raises ends as
+    one internal-error finding (exit 2) with the verdict of the others, never as a traceback."""
+    findings = Findings()
+    try:
+        job, training, findings = read_sbatch(args.sbatch_file)
+        job.gpu_mem, note = args.gpu_mem, use_site(job, args.site)
+        report = check_script(job, override(args, training), lambda t: override(args, t))
+    except (UsageError, idr_torch.LaunchError):
+        raise
+    except Exception as exc:  # a bug of the checker: said in the report, with what was found before it
+        job, training = Job(source=args.sbatch_file), Training()
+        report, note = Report(job, training, [], Findings()), "nothing planned: see the internal-error finding"
+        internal_error(report.findings, args.sbatch_file, exc)
+    report.findings[:0] = findings
+    report.notes.append(note)
+    return report
 
 
 if __name__ == "__main__":

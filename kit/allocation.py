@@ -33,16 +33,24 @@ def job_from_allocation(env: dict[str, str]) -> Job:
             raise UsageError(f"{name}={v[:40]!r} is not a number")
         return whole_number(m.group(1))
     tpn = env.get("SLURM_TASKS_PER_NODE", "").strip()
+    cpn = env.get("SLURM_JOB_CPUS_PER_NODE", "").strip()
     gpus = env.get("SLURM_JOB_GPUS", "").strip()
     job = Job(
         nodes=num("SLURM_JOB_NUM_NODES") or num("SLURM_NNODES"),
         ntasks=num("SLURM_NTASKS"), ntasks_per_node=num("SLURM_NTASKS_PER_NODE"),
-        tasks_per_node=idr_torch.parse_tasks_per_node(tpn, "SLURM_TASKS_PER_NODE") if tpn else None,
+        # without a task count (no SLURM_NTASKS) the batch step's SLURM_TASKS_PER_NODE is no task count: it held the
+        # cores (96, 40(x2)) for --cpus-per-gpu jobs (measured); srun runs one task a node there, as planned without
+        tasks_per_node=idr_torch.parse_tasks_per_node(tpn, "SLURM_TASKS_PER_NODE") if tpn and env.get(
+            "SLURM_NTASKS") else None,
         gpus_per_node=num("SLURM_GPUS_ON_NODE") or (len(gpus.split(",")) if gpus else None),
         gpus_per_task=num("SLURM_GPUS_PER_TASK"), gpu_bind=env.get("SLURM_GPU_BIND") or None,
         cpus_per_task=num("SLURM_CPUS_PER_TASK"), hint=env.get("SLURM_HINT") or None,
         constraint=env.get("SLURM_JOB_CONSTRAINTS") or None, partition=env.get("SLURM_JOB_PARTITION") or None,
         account=env.get("SLURM_JOB_ACCOUNT") or None, qos=env.get("SLURM_JOB_QOS") or None, time="allocated",
+        # per-GPU sizing as the batch step and srun's tasks see it (measured: SLURM_CPUS_PER_GPU=24,
+        # SLURM_MEM_PER_GPU=10240 for --mem-per-gpu=10G, SLURM_JOB_CPUS_PER_NODE=96 or 40(x2))
+        cpus_per_gpu=num("SLURM_CPUS_PER_GPU"), mem_per_gpu=num("SLURM_MEM_PER_GPU"),
+        cores_per_node=idr_torch.parse_tasks_per_node(cpn, "SLURM_JOB_CPUS_PER_NODE") if cpn else None,
         source=f"allocation of job {env.get('SLURM_JOB_ID', '?')} ({env.get('SLURM_JOB_NODELIST', '?')})")
     # Lmod and Environment Modules keep the loaded modules in LOADEDMODULES; the torch that runs is the installed
     # one (its package metadata: no torch import)
@@ -146,6 +154,7 @@ def send_report(launch: idr_torch.Launch, facts: dict, timeout: float = 120.0) -
 def check_in_step(launch: idr_torch.Launch, training: Training,
                   gpu_mem: float | None = None) -> tuple[Report | None, int]:
     """srun python check_topology.py: every task checks what it sees; rank 0 prints one report."""
+    defaulted = {"nlayers"} if training.nlayers is None else set()
     if training.nlayers is None:  # the trainer's default for what this task sees
         training.nlayers = (GPU_DEFAULTS if launch.visible_gpus else CPU_DEFAULTS)["nlayers"]
     facts = task_facts(launch, training)
@@ -167,7 +176,7 @@ def check_in_step(launch: idr_torch.Launch, training: Training,
         if job.gpus_per_node is None and f.get("gpus_on_node") is not None:
             job.gpus_per_node = f["gpus_on_node"]
     dedupe_findings(findings)
-    report = Report(job, training, plans, findings)
+    report = Report(job, training, plans, findings, defaulted=defaulted)  # the line's options, not the defaults
     if any(not p.cpu for p in plans):
         job.gpu_mem_seen, why = gpus_memory_here()
         report.notes += [why] if why else []

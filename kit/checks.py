@@ -11,11 +11,12 @@ from dataclasses import replace
 
 from kit.bounded import whole_number
 from kit.arguments import CPU_DEFAULTS, GPU_DEFAULTS, TRAINERS, Training, model_args
-from kit.findings import Findings, UsageError
+from kit.findings import Findings, UsageError, guarded
 from kit.jobscript import LaunchLine, apply_step, workers_of
 from kit.memory import (GIB, NotEstimated, estimate_memory, estimate_stage_memory, format_memory, memory_fixes, requested_arch,
     shared_gpu_memory)
-from kit.placement import allocation_tasks, gpu_view, packing, step_gpus_per_node, step_placement
+from kit.placement import (allocation_cores, allocation_tasks, gpu_view, packing, step_gpus_per_node,
+    step_placement)
 from kit.plan import TaskPlan, page_indexing, plan_task
 from kit.releases import torch_version_of
 from kit.report import Report
@@ -26,32 +27,77 @@ from kit.slurm import Job, too_many_tasks
 from kit.trainer_checks import check_bubble, check_stage, check_training, choice_list, divisors
 
 
-def check_job(job: Job, training: Training) -> Report:
+def check_job(job: Job, training: Training, whole: bool = True) -> Report:
     """Plan every task of a request and check the whole. Without a kit trainer in the script (job.trainer None),
-    only the Slurm and site layer: the request, the placement, each launch line's processes, Jean Zay's rules."""
+    only the Slurm and site layer: the request, the placement, each launch line's processes, Jean Zay's rules.
+    whole=False: a later step of the script (kit.steps), judged on its own plan; the job's own checks (cores, time,
+    site) are the first step's. A check that fails unexpectedly becomes one internal-error finding naming the
+    trainer's line (kit.findings.guarded), and the others still run."""
     findings = Findings()
     if job.unplanned:
         return Report(job, training, [], findings, [f"nothing planned: {job.unplanned}"])
     if job.trainer is None:
         return check_other_program(job, training, findings)
+    where = job.trainer_line.where if job.trainer_line else job.source
+    given = {"nlayers"} if training.nlayers is not None else set()
+    defaulted = training.nlayers is None and not training.known("nlayers")  # a shell variable, or refused
+    planned = plan_tasks(job, training, findings)
+    if isinstance(planned, Report):
+        return planned
+    report, tasks_per_node, procs_per_node, gpn = planned
+    report.defaulted, report.placed = {"nlayers"} - given, list(tasks_per_node)
+    if defaulted:
+        report.notes.append(f"the table splits the trainer's default {training.nlayers} layers: the line's --nlayers "
+                            "is not known here (a shell variable, or a value the trainer refuses)")
+    guarded(findings, where, check_kit, report, procs_per_node, gpn)
+    if whole:
+        check_whole(job, tasks_per_node, gpn, findings)
+    if job.placement == "possible":
+        report.notes.append(f"placement: Slurm decides by free cores; the table shows one placement it may make "
+                            f"({','.join(map(str, tasks_per_node))} task(s) per node)")
+    return report
+
+
+def check_whole(job: Job, tasks_per_node: list[int], gpn: int | None, findings: Findings) -> None:
+    """The job's own checks, once per script: its cores, time and site rules, and every srun line's -c."""
+    gpus_per_task = (gpn // max(tasks_per_node)) if gpn and tasks_per_node else 0
+    where = job.source.rpartition("/")[2]
+    guarded(findings, where, check_site, job, tasks_per_node, gpus_per_task, gpn, findings)
+    guarded(findings, where, check_steps_cpus, job, findings)
+
+
+def plan_tasks(job: Job, training: Training, findings: Findings):
+    """Where Slurm puts the trainer's tasks, the GPUs each sees, and each task's plan (kit.plan.plan_task, the
+    trainers' own): (report, tasks per node, processes per node, GPUs per node), or a Report when nothing is
+    planned."""
     tasks_per_node = step_placement(job, findings)
     if too_many_tasks(tasks_per_node, findings):
         return Report(job, training, [], findings, ["nothing planned: more tasks than the nodes run"])
     gpn = step_gpus_per_node(job, tasks_per_node, findings)
     job.gpus_per_node = gpn
-    defaulted = training.nlayers is None and not training.known("nlayers")  # a shell variable, or refused
     if training.nlayers is None:  # the trainer's own default for what it will run on
         training.nlayers = (GPU_DEFAULTS if gpn else CPU_DEFAULTS)["nlayers"]
     check_gpus_fit(job, gpn, tasks_per_node, findings)
+    notes = []
+    if any(f.code == "gpus-exceed-node" for f in findings):  # sbatch refuses it: plan what a node holds instead
+        gpn = job.gpus_per_node = JEAN_ZAY[node_type(job)].gpus or None
+        notes.append(f"the table plans the {gpn or 0} GPU(s) a node has, not the request that sbatch refuses")
     procs_per_node, agent_view = tasks_per_node, None
     if job.workers is not None:  # torchrun: its workers are the trainer's processes (LOCAL_WORLD_SIZE = workers)
         procs_per_node, agent_view = torchrun_processes(job, tasks_per_node, gpn, findings)
         if too_many_tasks(procs_per_node, findings):
             return Report(job, training, [], findings, ["nothing planned: more processes than the nodes run"])
-    stage = training.layout == "stage"
-    if stage:
+    if training.layout == "stage":
         training.nb_part = 1  # a task per GPU
     check_divisible(job, gpn, procs_per_node, training, findings)
+    plans = task_plans(job, training, procs_per_node, gpn, agent_view, findings)
+    dedupe_findings(findings)
+    return Report(job, training, plans, findings, notes), tasks_per_node, procs_per_node, gpn
+
+
+def task_plans(job: Job, training: Training, procs_per_node: list[int], gpn: int | None,
+               agent_view: list[str] | None, findings: Findings) -> list[TaskPlan]:
+    """Every task's plan, numbered as srun's --distribution numbers them (task_ranks)."""
     plans: list[TaskPlan] = []
     ranks = task_ranks(job, procs_per_node, findings)
     planned: dict[tuple[int, int], TaskPlan] = {}  # a task's plan depends on its node's count and its local rank
@@ -68,19 +114,7 @@ def check_job(job: Job, training: Training) -> Report:
             plan.rank, plan.node = ranks[node, local], node
             plans.append(plan)
     plans.sort(key=lambda p: p.rank)
-    dedupe_findings(findings)
-    report = Report(job, training, plans, findings)
-    if defaulted:
-        report.notes.append(f"the table splits the trainer's default {training.nlayers} layers: the line's --nlayers "
-                            "is not known here (a shell variable, or a value the trainer refuses)")
-    check_kit(report, procs_per_node, gpn)
-    gpus_per_task = (gpn // max(tasks_per_node)) if gpn else 0
-    check_site(job, tasks_per_node, gpus_per_task, gpn, findings)
-    check_steps_cpus(job, findings)
-    if job.placement == "possible":
-        report.notes.append(f"placement: Slurm decides by free cores; the table shows one placement it may make "
-                            f"({','.join(map(str, tasks_per_node))} task(s) per node)")
-    return report
+    return plans
 
 
 def task_ranks(job: Job, per_node: list[int], findings: Findings) -> dict[tuple[int, int], int]:
@@ -107,29 +141,55 @@ def task_ranks(job: Job, per_node: list[int], findings: Findings) -> dict[tuple[
 
 
 def check_kit(report: Report, procs_per_node: list[int], gpn: int | None) -> None:
-    """What only the kit's trainer is judged on: its GPUs per task, its model and pipeline, its fit, its torch."""
+    """What only the kit's trainer is judged on: its GPUs per task, its model and pipeline, its fit, its torch. Each
+    check that fails unexpectedly is one internal-error finding; the others run."""
     job, training, findings, plans = report.job, report.training, report.findings, report.tasks
-    check_node_usage(report)
+    where = job.trainer_line.where if job.trainer_line else job.source
+
+    def run(check, *args):
+        return guarded(findings, where, check, *args)
+    run(check_node_usage, report)
     nb_parts = [p.nb_part for p in plans if p.nb_part]
     cpu = all(p.cpu for p in plans) if plans else not gpn
     if training.layout == "stage":
-        stages = check_stage(len(plans), procs_per_node, gpn, training, findings, cpu)
-        check_training(stages, training, findings, cpu=cpu)
+        stages = run(check_stage, len(plans), procs_per_node, gpn, training, findings, cpu) or 0
+        run(check_pipelines_cross_nodes, report)
+        run(check_training, stages, training, findings, cpu)
         own_model_split(report, stages, cpu)
         if not cpu and stages and len(plans) % training.pp == 0:  # the fit of each pipeline's tasks
-            line = check_memory(job, training, training.pp, len(plans) // training.pp, gpn, findings)
+            line = run(check_memory, job, training, training.pp, len(plans) // training.pp, gpn, findings)
             report.notes += [line] if line else []
     elif nb_parts:
-        check_training(min(nb_parts), training, findings, cpu=cpu)
+        run(check_training, min(nb_parts), training, findings, cpu)
         own_model_split(report, min(nb_parts), cpu)
         if not cpu:  # each leaves alone what a shell variable may hold (training.unknown)
-            check_bubble(min(nb_parts), training, findings)
-        if not cpu:
-            line = check_memory(job, training, min(nb_parts), len(plans), max(procs_per_node), findings)
+            run(check_bubble, min(nb_parts), training, findings)
+            line = run(check_memory, job, training, min(nb_parts), len(plans), max(procs_per_node), findings)
             report.notes += [line] if line else []
-    check_engine(job, training, findings)
-    check_gpu_cgroups(job, procs_per_node, gpn, findings)
-    note_page_indexing(report)
+    run(check_engine, job, training, findings)
+    run(check_gpu_cgroups, job, procs_per_node, gpn, findings)
+    run(note_page_indexing, report)
+
+
+def check_pipelines_cross_nodes(report: Report) -> None:
+    """The stage layout's pipelines are --pp consecutive ranks (bench_stage.py's DeviceMesh (dp, pp)): where srun's
+    --distribution (cyclic, plane=N) numbers the ranks across nodes, a pipeline crosses nodes even when --pp divides
+    the tasks per node (measured on the test cluster: -m cyclic put ranks 0 and 1 on two nodes). check_stage judges
+    the block numbering from the counts; this one the ranks as the plan numbers them."""
+    t, plans, findings = report.training, report.tasks, report.findings
+    if t.pp < 2 or not t.known("pp") or any(f.code == "pipeline-spans-nodes" for f in findings):
+        return
+    node_of = {p.rank: p.node for p in plans}
+    crossing = [r // t.pp for r in range(0, len(plans) - len(plans) % t.pp, t.pp)
+                if len({node_of.get(r + k) for k in range(t.pp)}) > 1]
+    if crossing:
+        first = crossing[0] * t.pp
+        dist = report.job.distribution or "block"
+        findings.warn("pipeline-spans-nodes", f"--distribution={dist} numbers the ranks across nodes: {len(crossing)} "
+                      f"of the {len(plans) // t.pp} pipeline(s) cross nodes (pipeline {crossing[0]}: ranks {first}-"
+                      f"{first + t.pp - 1} on nodes {','.join(str(node_of[first + k]) for k in range(t.pp))}) and "
+                      "send activations over the network at every micro-batch; drop --distribution (block keeps "
+                      "consecutive ranks on one node), or srun -m block")
 
 
 def own_model_split(report: Report, nb_part: int, cpu: bool) -> None:
@@ -140,7 +200,7 @@ def own_model_split(report: Report, nb_part: int, cpu: bool) -> None:
     if not t.model_spec or nb_part < 1 or not t.known("model_spec", "sample", "split", "nb_part", "pp"):
         return
     ignored = [k for k in ("d_model", "n_head", "d_hid", "dropout") if k in t.model]
-    ignored += ["nlayers"] * (t.nlayers is not None)
+    ignored += ["nlayers"] * (t.nlayers is not None and "nlayers" not in report.defaulted)
     if ignored:  # the line's own values (the checker's Training holds only those): the kit's Transformer's shape
         report.findings.warn("ignored-with-model", f"{', '.join('--' + k.replace('_', '-') for k in ignored)} shape "
                              f"the kit's own Transformer: with --model {t.model_spec} your function builds the layers, "
@@ -163,21 +223,23 @@ def check_site(job: Job, tasks_per_node: list[int], gpus_per_task: int, gpn: int
     account, QoS and time limits are the dated table's, or Slurm's own read here (check_live), or none (--site).
     Where Slurm answered but its accounting (slurmdbd) did not, the partitions are Slurm's and the QoS, account and
     time limits the table's, worded as the table's (issue 42: a slow database is not "no limits")."""
-    check_cpus(job, gpus_per_task, tasks_per_node, findings)
+    where = job.source.rpartition("/")[2]
+    guarded(findings, where, check_cpus, job, gpus_per_task, tasks_per_node, findings)
     live = job.site_rules == "live" and job.site is not None
     table = job.site_rules == "jean-zay" or (live and bool(job.site.accounting_problem))
-    check_time(job, findings, limits=table)
-    check_nodes(job, findings)
-    gpus, cores = (gpn or 0) * len(tasks_per_node) or None, sum(tasks_per_node) * (job.cpus_per_task or 1)
+    guarded(findings, where, check_time, job, findings, limits=table)
+    guarded(findings, where, check_nodes, job, findings)
+    gpus = (gpn or 0) * len(tasks_per_node) or None
+    cores = sum(job.cores_per_node) if job.cores_per_node else sum(tasks_per_node) * (job.cpus_per_task or 1)
     if live:
-        check_live(job, job.site, gpus, cores, findings)
+        guarded(findings, where, check_live, job, job.site, gpus, cores, findings)
     if live and job.site.accounting_problem and job.time != "allocated":
         findings.warn("accounting-unread", f"Slurm's accounting here did not answer ({job.site.accounting_problem}):"
                       f" {', '.join(w for w, v in (('--account', job.account), ('--qos', job.qos)) if v) or 'the job'}"
                       " and its time were judged by Jean Zay's documented table, not by your associations and QoS: "
                       f"check again when slurmdbd answers, or ask it yourself (`{ASSOC_COMMAND}`)")
     if job.site_rules != "none":
-        check_jean_zay(job, findings, gpus_asked=gpus, cores_asked=cores, table_qos=table)
+        guarded(findings, where, check_jean_zay, job, findings, gpus_asked=gpus, cores_asked=cores, table_qos=table)
 
 
 def check_steps_cpus(job: Job, findings: Findings) -> None:
@@ -238,9 +300,23 @@ def check_gpu_request(job: Job, gpn: int | None, findings: Findings) -> None:
             findings.error("no-gpus", "the job requests no GPU; add --gres=gpu:N (GPUs per node, e.g. --gres=gpu:4) "
                            "or --gpus-per-node=N")
     elif t and gpn > t.gpus:
-        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {t.label} have {t.gpus}"
-                       + (f"; use --gres=gpu:{t.gpus} or another partition (-p gpu_p2 / -C a100 for 8 GPUs)"
-                          if t.gpus else "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
+        findings.error("gpus-exceed-node", gpus_exceed_message(gpn, t, job))
+
+
+def gpus_exceed_message(gpn: int, t, job: Job | None = None) -> str:
+    """More GPUs per node than the node type has: what sbatch says (measured: --gres=gpu:8 and --gpus-per-task=2 x
+    3 tasks on the 4-GPU nodes) and the fix, in the option the request used."""
+    gpt = job.gpus_per_task if job and not {"gres", "gpus-per-node", "gpus"} & set(job.options) else None
+    if not t.gpus:
+        fix = "ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"
+    elif gpt:
+        fix = (f"use --ntasks-per-node <= {max(1, t.gpus // gpt)} or --gpus-per-task <= "
+               f"{max(1, t.gpus // max(1, gpn // gpt))}")
+    else:
+        fix = f"use --gres=gpu:{t.gpus}" + (" or another partition (-p gpu_p2 / -C a100 for 8 GPUs)" if t.gpus < 8
+                                             else "")
+    return (f"{gpn} GPUs per node requested but {t.label} have {t.gpus}: sbatch refuses the job ('Requested node "
+            f"configuration is not available', measured); {fix}")
 
 
 def check_even(job: Job, gpn: int | None, tasks_per_node: list[int], findings: Findings) -> None:
@@ -266,15 +342,15 @@ def check_other_program(job: Job, training: Training, findings: Findings) -> Rep
         return Report(job, training, [], findings, ["nothing planned: more tasks than the nodes run"])
     gpn = step_gpus_per_node(job, shape, findings)
     job.gpus_per_node = gpn
+    allocation_cores(job, shape, ntasks)  # job.cores_per_node, for the report
     ntype = node_type(job)
     t = JEAN_ZAY[ntype] if ntype else None
     if not gpn and t and t.gpus:
         findings.warn("no-gpus", f"the job asks for {t.label} but for no GPU: it gets none; add --gres=gpu:N, or "
                       "use a CPU partition (-p cpu_p1, prepost) for work without GPUs")
     elif gpn and t and gpn > t.gpus:
-        findings.error("gpus-exceed-node", f"{gpn} GPUs per node requested but {t.label} have {t.gpus}"
-                       + (f"; use --gres=gpu:{t.gpus} or another partition (-p gpu_p2 / -C a100 for 8 GPUs)"
-                          if t.gpus else "; ask for GPU nodes (-C v100-32g, -C a100, -C h100) or drop the GPUs"))
+        findings.error("gpus-exceed-node", gpus_exceed_message(gpn, t, job))
+        gpn = job.gpus_per_node = t.gpus or None  # sbatch refuses the request: what follows is of the node's GPUs
     check_gpu_cgroups(job, shape, gpn, findings)
     stepped = any(x.srun is not None for x in job.launches)
     for launch in job.launches:

@@ -38,6 +38,32 @@ def refusal_text(findings: Iterable[Finding]) -> str:
 class UsageError(Exception):
     """Bad command line or unreadable file: exit 2."""
 
+
+def internal_error(findings: Findings, where: str, exc: BaseException, check: str = "") -> None:
+    """One finding for a check that failed unexpectedly on this script (a bug of the checker, not of the script):
+    where it was, which check, what was raised and where, and a request to report it. The checker exits 2."""
+    import traceback  # only on this path
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {frames[-1].filename.rpartition('/')[2]}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    text = str(exc)
+    findings.error("internal-error", f"{where}: the checker failed while judging this ({check + ': ' if check else ''}"
+                   f"{type(exc).__name__}{at}: "
+                   f"{text[:200] + '...' if len(text) > 200 else text}); the other checks ran, but this verdict is "
+                   "incomplete: please report it with the script (it is the checker's bug, not the script's)")
+
+
+def guarded(findings: Findings, where: str, check, *args, passing: tuple = (), **kwargs):
+    """check(*args, **kwargs), or None where it raised: an unexpected exception becomes internal_error's finding,
+    so that one failing check never stops the others (issue 40). A UsageError (exit 2 with its own line) passes, and
+    so do the `passing` exceptions (a reading's own control flow: kit.shell's TooComplex, StopScript)."""
+    try:
+        return check(*args, **kwargs)
+    except (UsageError, *passing):
+        raise
+    except Exception as exc:  # any bug of a check: said, never raised at the user
+        internal_error(findings, where, exc, getattr(check, "__name__", ""))
+        return None
+
 # Every finding the checker can give, with its level: `--json` carries these codes, and docs/checker.md (section 9)
 # lists exactly this table (tests/test_check_topology.py compares the three: this table, the code, the docs).
 CATCHES = {
@@ -53,7 +79,8 @@ CATCHES = {
     "stray-token": ("error", "a word in a #SBATCH line that is not an option (sbatch refuses the file)"),
     "bad-directive": ("error", "a #SBATCH line that cannot be parsed (unbalanced quotes)"),
     "bad-value": ("error", "a value sbatch or srun refuses: a count (-N=2), --hint, --mem, --gpu-bind, --cpu-bind, "
-                  "--distribution, --exclusive, --signal, --mail-type, --open-mode, --gres-flags ..."),
+                  "--distribution, --exclusive, --signal, --mail-type, --open-mode, --gres-flags, --dependency, --array "
+                  "(sbatch's submission fails: 'Job dependency problem', 'Invalid job array specification') ..."),
     "value-misread": ("warning", "a value sbatch accepts but reads otherwise than written (--gpu-bind=closes is "
                       "closest, unknown --mail-type words are dropped)"),
     "option-conflict": ("error", "options sbatch refuses together (--mem with --mem-per-cpu, --cpus-per-gpu with "
@@ -69,7 +96,6 @@ CATCHES = {
                           "command, inside a here-document"),
     "slurm-directive": ("warning", "#SLURM lines, which sbatch applies as directives"),
     "pbs-directive": ("error", "#PBS / #BSUB lines, which sbatch also reads, without --ignore-pbs"),
-    "hetjob": ("warning", "a heterogeneous job, whose components are checked as one"),
     "node-range": ("warning", "--nodes=MIN-MAX: the plan assumes MIN"),
     "unchecked-argument": ("warning", "a trainer argument given as a shell variable: it, and what depends on it, is "
                            "not checked (a variable alone may hold any argument: then nothing that depends on them)"),
@@ -104,7 +130,8 @@ CATCHES = {
                 "asked for without a GPU"),
     "gpu-request-conflict": ("error", "--gres=gpu:N with a --gpus-per-node, --gpus or --gpus-per-task that disagrees"),
     "gpus-total-multinode": ("error", "--gpus=N (a total) over several nodes: no even split is promised"),
-    "gpus-exceed-node": ("error", "more GPUs per node than the node type has"),
+    "gpus-exceed-node": ("error", "more GPUs per node than the node type has (sbatch refuses it; the plan shows the "
+                         "node's own GPUs)"),
     "gpus-not-divisible": ("error", "GPUs per node not divisible by tasks per node"),
     "more-tasks-than-gpus": ("error", "more tasks per node than GPUs: nb_part = 0"),
     "gpu-index-past-visible": ("error", "a task would use a GPU index past what it sees (the first such index)"),
@@ -116,10 +143,22 @@ CATCHES = {
     "gpu-bind-mask": ("warning", "--gpu-bind=mask_gpu, not modelled"),
     "gpu-bind-closest": ("warning", "--gpu-bind=closest, which depends on the node"),
     "distribution-not-modelled": ("warning", "--distribution=arbitrary: which task runs where is not modelled"),
+    # the script's steps, array elements, heterogeneous components, and the batch shell (kit.steps)
+    "het-group": ("error/warning", "srun --het-group past the job's components, or in a job that is not heterogeneous "
+                  "(srun refuses the step); over several components (a warning: planned on the first)"),
+    "array-partly-checked": ("warning", "a job array of more elements than the checker reads one by one (128): the "
+                             "others are not checked"),
+    "signal-no-trap": ("warning", "--signal=B:SIG with no trap for SIG in the script: the batch shell dies of it, "
+                       "the job ends FAILED and the steps never get the signal"),
+    "requeue-disabled": ("warning", "scontrol requeue in a job with --no-requeue: Slurm refuses it and the job ends"),
+    "export-no-path": ("error/warning", "--export=NONE (or a list without PATH) reaches the srun steps: a program "
+                       "named without a path is not found (execve fails; an error), one with a path runs without "
+                       "the modules' environment (a warning)"),
     # cores, time, account, modules (Jean Zay)
     "cpus-per-task-missing": ("warning", "--cpus-per-task missing (Jean Zay grants memory per core)"),
-    "cpus-per-task-small": ("warning", "--cpus-per-task below the node's cores per GPU x GPUs per task"),
-    "cpus-exceed-node": ("error", "tasks x --cpus-per-task above the node's cores"),
+    "cpus-per-task-small": ("warning", "--cpus-per-task (or --cpus-per-gpu) below the node's cores per GPU x GPUs "
+                            "per task"),
+    "cpus-exceed-node": ("error", "tasks x --cpus-per-task, or --cpus-per-gpu x GPUs, above the node's cores"),
     "hint-missing": ("warning", "--hint=nomultithread missing"),
     "time-missing": ("warning", "--time missing: 10 minutes on Jean Zay's GPU partitions"),
     "bad-time": ("error", "a --time Slurm does not read"),
@@ -169,11 +208,15 @@ CATCHES = {
     "bad-schedule": ("error", "a --schedule the stage layout does not have"),
     "pp-too-small": ("error", "stage layout: --pp below 2"),
     "pp-not-dividing-world": ("error", "stage layout: --pp not dividing the tasks"),
-    "pipeline-spans-nodes": ("warning", "stage layout: pipelines that cross nodes"),
+    "pipeline-spans-nodes": ("warning", "stage layout: pipelines that cross nodes (tasks per node, or srun's "
+                             "--distribution numbering the ranks across nodes)"),
     "chunks-below-stages": ("error", "stage layout: 1F1B with fewer chunks than stages"),
     "chunks-not-rounds": ("error", "stage layout: interleaved chunks not a multiple of the rounds"),
     # inside a running step (srun python check_topology.py)
     "task-missing": ("error", "a task that never reported to task 0"),
     "affinity-small": ("warning", "a task may run on fewer CPUs than --cpus-per-task"),
     "no-gpu-visible": ("warning", "a task that sees no GPU"),
+    # the checker itself
+    "internal-error": ("error", "a check that failed unexpectedly on this script (a bug of the checker): the finding "
+                       "names the line and asks for a report; the other checks ran; exit status 2"),
 }

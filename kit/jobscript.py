@@ -11,16 +11,16 @@ import os
 import re
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kit.arguments import ARG, SCRIPTS, TRAINERS, Training, read_trainer_argv, set_values
 from kit.bounded import kind_of, read_fd, whole_number
-from kit.findings import Finding, Findings, UsageError
+from kit.findings import Finding, Findings, UsageError, guarded
 from kit.releases import torch_version_of
 from kit.shell import HereDoc, PER_TASK, Ran, ShellRun, StopScript, TooComplex, UNKNOWN
-from kit.slurm import (COUNT_LIMITS, Job, apply_option, apply_srun_option, check_option_conflicts, check_option_values,
-    parse_options)
+from kit.slurm import (COUNT_LIMITS, Job, apply_option, apply_srun_option, array_indices, check_option_conflicts,
+    check_option_values, het_groups, implicit_ntasks, index_ranges, parse_options, signal_name)
 
 
 # slurmctld refuses a batch script longer than max_script_size, 4 MiB unless SchedulerParameters says otherwise
@@ -57,22 +57,28 @@ def read_script_text(path: str | os.PathLike) -> tuple[str, bool]:
     return data[:MAX_SCRIPT_BYTES].decode("utf-8", errors="replace"), len(data) > MAX_SCRIPT_BYTES
 
 
-def read_directive(line: str, magic: str, where: str, job: Job, findings: Findings) -> None:
+def read_directive(line: str, magic: str, where: str, job: Job, findings: Findings) -> Job:
     """One '#SBATCH' (or '#SLURM') line: sbatch 22.05 reads what follows the magic word, with or without a space
-    ('#SBATCH-N 2' and '#SBATCH<tab>-N 2' both gave 2 nodes on the test cluster), up to a '#' comment."""
+    ('#SBATCH-N 2' and '#SBATCH<tab>-N 2' both gave 2 nodes on the test cluster), up to a '#' comment. A line that
+    starts with 'hetjob' (or 'packjob', any case: sbatch/opt.c _opt_batch_script) starts the next component of a
+    heterogeneous job, which it and the lines after it describe. Returns the component the next line describes."""
     try:
         tokens = shlex.split(line[len(magic):], comments=True)
     except ValueError as exc:
         findings.error("bad-directive", f"{where}: cannot parse '{line.strip()}' ({exc})")
-        return
-    if tokens[:1] in (["hetjob"], ["packjob"]):
-        findings.warn("hetjob", f"{where}: '{line.strip()}' starts a heterogeneous job's next component; the plan "
-                      "covers the options of all components as one job: check each component on its own")
-        return
+        return job
+    if tokens[:1] and tokens[0].lower() in ("hetjob", "packjob"):
+        first = job.components[0] if job.components else job
+        if not first.components:
+            first.components = [first]
+        job = Job(source=first.source, component=len(first.components), components=first.components)
+        first.components.append(job)
+        tokens = tokens[1:]
     options, _ = parse_options(tokens, where, findings)
     for name, value in options:
         apply_option(job, name, value, where, findings)
     check_option_values(job, options, where, findings)
+    return job
 
 
 # the first line that is neither blank nor a comment (str.strip's and re's whitespace are the same set), and the lines
@@ -99,7 +105,7 @@ def read_directives(text: str, name: str, job: Job, findings: Findings) -> int:
     MAX_DIRECTIVES directive lines (what was read stands)."""
     first = _FIRST_COMMAND.search(text)
     end = first.start() if first else len(text)
-    foreign, slurm_lines, at, lineno, size = [], [], 0, 1, 0
+    foreign, slurm_lines, at, lineno, size, target = [], [], 0, 1, 0, job
     for count, m in enumerate(_HEADER_DIRECTIVE.finditer(text, 0, end)):
         lineno += text.count("\n", at, m.start())
         at, line, where = m.start(), m.group(0), f"{name}:{lineno}"
@@ -109,7 +115,7 @@ def read_directives(text: str, name: str, job: Job, findings: Findings) -> int:
                              "KiB of them")
         magic = next((x for x in ("#SBATCH", "#SLURM") if line.startswith(x)), None)
         if magic:
-            read_directive(line, magic, where, job, findings)
+            target = guarded(findings, where, read_directive, line, magic, where, target, findings) or target
             slurm_lines += [where] if magic == "#SLURM" else []
         else:
             foreign.append((where, line.strip()))
@@ -176,6 +182,7 @@ class LaunchLine:
     env: dict[str, str | None] = field(default_factory=dict)  # exported SRUN_/SLURM_ variables srun reads
     module: bool = False  # python -m / torchrun -m: `script` names a module
     per_task: bool = False  # inside `srun bash -c '...'`: $SLURM_PROCID and the like are each task's own
+    conditional: bool = False  # under an if, a loop, a case or after && / ||: it may not run
     layout: dict = field(default_factory=dict)  # check_job's verdict: agents, processes per node, GPUs each
 
     @property
@@ -434,18 +441,33 @@ def batch_variables(job: Job) -> dict:
     """The SLURM_ variables the batch script sees, as far as the request decides them (read off the test cluster's
     batch steps: tests/test_launch_slurm.py compares them): known ones as values, the others present but unknown."""
     known: dict[str, str] = {"SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
-    nodes = job.nodes if job.nodes and "nodes" in job.options and "-" not in str(job.options.get("nodes")) else None
+    nodes, ntasks = request_counts(job)
     if nodes:
         known["SLURM_JOB_NUM_NODES"] = known["SLURM_NNODES"] = str(nodes)
-    ntasks = job.ntasks or (nodes * job.ntasks_per_node if nodes and job.ntasks_per_node else None)
     if ntasks:
         known["SLURM_NTASKS"] = known["SLURM_NPROCS"] = str(ntasks)
+    export = job.options.get("export")
+    dist = job.options.get("distribution") or ""
+    plane = re.fullmatch(r"(?i)plane=(\d+)", dist)
     for name, value in (("SLURM_NTASKS_PER_NODE", job.ntasks_per_node), ("SLURM_CPUS_PER_TASK", job.cpus_per_task),
                         ("SLURM_GPUS_PER_NODE", job.options.get("gpus-per-node")),
                         ("SLURM_GPUS", job.options.get("gpus")), ("SLURM_HINT", job.hint),
-                        ("SLURM_JOB_PARTITION", job.partition)):
+                        ("SLURM_JOB_PARTITION", job.partition), ("SLURM_CPUS_PER_GPU", job.cpus_per_gpu),
+                        ("SLURM_MEM_PER_GPU", job.mem_per_gpu), ("SLURM_GPUS_PER_TASK", job.options.get("gpus-per-task")),
+                        # sbatch passes --export on to srun unless it is ALL (sbatch/opt.c _opt_verify); the plain
+                        # distributions as sbatch sets them (measured: cyclic; plane=4 gives plane and 4)
+                        ("SLURM_EXPORT_ENV", export if export and export.upper() != "ALL" else None),
+                        ("SLURM_DISTRIBUTION", "plane" if plane else dist if dist in ("block", "cyclic") else None),
+                        ("SLURM_DIST_PLANESIZE", plane.group(1) if plane else None)):
         if value is not None and "$" not in str(value):
             known[name] = str(value)
+    if job.components:  # a heterogeneous job: component 0's values, and each component's own (measured)
+        known["SLURM_HET_SIZE"] = str(len(job.components))
+        for k, component in enumerate(job.components):
+            c_nodes, c_tasks = request_counts(component)
+            for name, value in (("SLURM_JOB_NUM_NODES", c_nodes), ("SLURM_NTASKS", c_tasks)):
+                if value:
+                    known[f"{name}_HET_GROUP_{k}"] = str(value)
     gpn = job.gres_gpus or job.gpus_per_node or (job.gpus_per_task * job.ntasks_per_node if job.gpus_per_task and
                                                  job.ntasks_per_node else None)
     if gpn is None and job.gpus_total and nodes and job.gpus_total % nodes == 0:
@@ -463,6 +485,13 @@ def batch_variables(job: Job) -> dict:
                      "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_STEP"):
             out[name] = UNKNOWN
     return out
+
+
+def request_counts(job: Job) -> tuple[int | None, int | None]:
+    """The nodes and tasks a request fixes (SLURM_NNODES, SLURM_NTASKS as sbatch sets them), None where Slurm decides."""
+    nodes = job.nodes if job.nodes and "nodes" in job.options and "-" not in str(job.options.get("nodes")) else None
+    return nodes, job.ntasks or (nodes * job.ntasks_per_node if nodes and job.ntasks_per_node else None) or \
+        implicit_ntasks(job)
 
 
 MODULE_COMMANDS = ("module", "ml")
@@ -525,11 +554,43 @@ def script_file_problems(path: str | os.PathLike, text: str, too_large: bool, jo
     return text
 
 
+@dataclass(eq=False, repr=False)
+class Step:
+    """A launch line of a kit trainer, as the script runs it: the line, the Job of the heterogeneous component it
+    runs on (srun --het-group; component 0 without it) with the line's srun options applied, and the trainer's
+    arguments on it. kit.steps plans and judges each one."""
+    launch: LaunchLine
+    job: Job
+    training: Training
+
+
+@dataclass(eq=False, repr=False)
+class Element:
+    """Elements of a job array whose reading gives the same commands (--array: each element's SLURM_ARRAY_TASK_ID
+    is known before the job starts): their indices, the script as they run it, and what reading it found."""
+    indices: list[int]
+    job: Job
+    training: Training
+    findings: Findings
+
+
+# array elements read one by one at most (each reading takes a few milliseconds), and the CPU seconds all of them
+# may take (a script that spends the reading's budget on every element would cost it 128 times); the others are said
+# unchecked
+MAX_ELEMENTS_READ = 128
+
+ELEMENTS_SECONDS = 1.0
+
+_ARRAY_VARIABLE = re.compile(r"SLURM_ARRAY_TASK_(?:ID|MIN|MAX|COUNT|STEP)")
+
+
 def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
-    """Read the job script the way sbatch 22.05 and bash do: the header's directives (read_directives), then every
-    command bash would run (its variables expanded, here-documents set aside, functions called), for the modules it
-    loads and the programs it launches. The first launch of a kit trainer is the trainer line; without one, the
-    other launch lines are judged at the Slurm level only (job.trainer is None)."""
+    """Read the job script the way sbatch 22.05 and bash do: the header's directives (read_directives: a
+    heterogeneous job's components), then every command bash would run (its variables expanded, here-documents set
+    aside, functions called), for the modules it loads and the programs it launches: every kit trainer line is a
+    Step (job.steps, in order; the first is also read into job and training); without one, the other launch lines
+    are judged at the Slurm level only (job.trainer is None). A job array whose script reads its index is read once
+    per element (job.elements, grouped by the commands they run; findings: then the directives' only)."""
     text, too_large = read_script_text(path)
     job, training, findings = Job(source=str(path)), Training(), Findings()
     name = Path(path).name
@@ -547,15 +608,78 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
     if any(f.code == "count-too-large" for f in findings):
         job.unplanned = "a count no node has"
         return job, training, findings
-    check_option_conflicts(job, findings)
+    for component in job.components or [job]:
+        check_option_conflicts(component, findings)
+    indices = array_indices(job.options.get("array") or "") if "array" in job.options else None
+    if indices and _ARRAY_VARIABLE.search(text):
+        return read_elements(text, name, job, findings, indices, first_command)
+    heredocs = read_body(text, name, job, training, findings, batch_variables(job))
+    stray_directives(text, name, first_command, heredocs, findings)
+    return job, training, findings
+
+
+def read_elements(text: str, name: str, job: Job, findings: Findings, indices: list[int],
+                  first_command: int) -> tuple[Job, Training, Findings]:
+    """A job array whose script reads its index: the script read once per element (SLURM_ARRAY_TASK_ID and the
+    others known, as the batch step has them: measured, --array=0-9:4 gives MIN 0, MAX 8, COUNT 3, STEP 4), up to
+    MAX_ELEMENTS_READ; elements that run the same commands are one Element."""
+    groups: dict[tuple, Element] = {}
+    m = re.fullmatch(r"\[?(\d+)-(\d+)(?::(\d+))?\]?(%\d*)?", job.options.get("array") or "")
+    start, read = time.process_time(), []
+    for n, index in enumerate(indices[:MAX_ELEMENTS_READ]):
+        if n and (time.process_time() - start > ELEMENTS_SECONDS or any(
+                f.code == "too-complex" for e in groups.values() for f in e.findings)):
+            break
+        read.append(index)
+        e_job, e_training, e_findings = body_copy(job), Training(), Findings()
+        variables = batch_variables(e_job)
+        known = {"SLURM_ARRAY_TASK_ID": index, "SLURM_ARRAY_TASK_MIN": indices[0],
+                 "SLURM_ARRAY_TASK_MAX": indices[-1], "SLURM_ARRAY_TASK_COUNT": len(indices)}
+        if m:  # one range: its step (a list of indices has none that this reading can vouch for)
+            known["SLURM_ARRAY_TASK_STEP"] = int(m.group(3) or 1)
+        variables.update({k: ShellRun.known(str(v)) for k, v in known.items()})
+        heredocs = read_body(text, name, e_job, e_training, e_findings, variables)
+        if n == 0:
+            stray_directives(text, name, first_command, heredocs, findings)
+        key = (tuple((x.where, tuple(x.words), tuple(sorted(x.env.items(), key=str))) for x in e_job.launches),
+               tuple((x.launch.where, tuple(x.launch.words)) for x in e_job.steps), tuple(e_job.modules),
+               tuple(e_job.traps), tuple(e_job.requeues), tuple((f.code, f.message) for f in e_findings))
+        if key in groups:
+            groups[key].indices.append(index)
+        else:
+            groups[key] = Element([index], e_job, e_training, e_findings)
+    first = next(iter(groups.values()))
+    first.job.elements = list(groups.values())
+    if len(read) < len(indices):
+        findings.warn("array-partly-checked", f"{job.option_lines.get('array', name)}: --array="
+                      f"{job.options.get('array')} has {len(indices)} elements: the first {len(read)} are read "
+                      f"one by one (elements {index_ranges(read)}); the other {len(indices) - len(read)} are not "
+                      "checked (the reading has a budget: 128 elements, a second): check them with a shorter --array")
+    return first.job, first.training, findings
+
+
+def body_copy(job: Job) -> Job:
+    """The job as its directives describe it, with nothing of a reading of its commands: for one array element."""
+    return replace(job, modules=[], launches=[], steps=[], traps={}, requeues=[], sourced=[], elements=[],
+                   options=dict(job.options), option_lines=dict(job.option_lines))
+
+
+def read_body(text: str, name: str, job: Job, training: Training, findings: Findings, variables: dict) -> list:
+    """bash's run of the script (kit.shell) with the batch step's variables: the modules it loads, the batch shell's
+    traps and requeues, the launch lines, then the kit trainers' lines (read_steps). Returns the here-documents."""
     ran: list[Ran] = []
-    shell = ShellRun(batch_variables(job), ran.append)
+    shell = ShellRun(variables, ran.append)
     launches: list[LaunchLine] = []
 
     def sink(r: Ran) -> None:
         read_modules(r, job)
-        launches.extend(find_launches(r, name, findings, shell=shell))
-    shell.sink = sink
+        read_batch_shell(r, name, job)
+        found = find_launches(r, name, findings, shell=shell)
+        for x in found:
+            x.conditional = r.conditional
+        launches.extend(found)
+    shell.sink = lambda r: guarded(findings, f"{name}:{r.line}", sink, r,
+                                   passing=(TooComplex, StopScript, RecursionError))
     try:
         lexer = shell.run_script(text)
         heredocs = lexer.heredocs
@@ -572,15 +696,65 @@ def read_sbatch(path: str | os.PathLike) -> tuple[Job, Training, Findings]:
         heredocs = []
         findings.warn("shell-unread", f"{name}: the script nests too deeply to follow; its launch lines may be "
                       "missed")
-    stray_directives(text, name, first_command, heredocs, findings)
-    kit = next((x for x in launches if x.program in TRAINERS and not x.module), None)
-    if kit is None:
-        job.trainer, job.srun, job.sourced = None, None, shell.sourced
+    job.sourced = shell.sourced
+    read_steps(job, training, launches, findings)
+    return heredocs
+
+
+def read_steps(job: Job, training: Training, launches: list[LaunchLine], findings: Findings) -> None:
+    """Every launch of a kit trainer is a Step, in order, on its component (srun --het-group); the first is also
+    read into job and training (what check_job plans). Without one, the launch lines are the job's (job.trainer
+    None: the Slurm level only)."""
+    kits = [x for x in launches if x.program in TRAINERS and not x.module]
+    if not kits:
+        job.trainer, job.srun = None, None
         read_launch_lines(job, [x for x in launches if x.program not in KIT_TOOLS], findings)
-        return job, training, findings
-    read_trainer_line(kit, kit.program, kit.where, job, training, findings)
-    read_launch_lines(job, [x for x in launches if x is not kit and x.srun is not None], findings)
-    return job, training, findings
+        return
+    read_launch_lines(job, [x for x in launches if all(x is not k for k in kits) and x.srun is not None], findings)
+    job.launches = [x for x in launches if x is not kits[0] and x.srun is not None]
+    for n, launch in enumerate(kits):
+        group = step_group(launch)
+        if n == 0 and group == 0:
+            s_job, s_training = job, training
+        else:
+            s_job, s_training = step_copy(job, group), Training()
+        guarded(findings, launch.where, read_trainer_line, launch, launch.program, launch.where, s_job, s_training,
+                findings)
+        job.steps.append(Step(launch, s_job, s_training))
+    if job.steps[0].job is not job:  # the first line runs on another component: job still describes it
+        guarded(Findings(), kits[0].where, read_trainer_line, kits[0], kits[0].program, kits[0].where, job, training,
+                Findings())
+
+
+def step_group(launch: LaunchLine) -> int:
+    """The heterogeneous component a launch line runs on: srun --het-group's first (0 without it)."""
+    value = next((v for n, v in reversed(launch.srun or []) if n == "het-group"), None)
+    groups = het_groups(value) if value else None
+    return groups[0] if groups else 0
+
+
+def step_copy(job: Job, group: int) -> Job:
+    """A later step's own Job: its component's request (component 0 is job itself), with what the script's run
+    found (modules, launch lines, traps), and nothing of another line's srun options."""
+    components = job.components or [job]
+    base = components[group] if group < len(components) else job
+    return replace(base, modules=job.modules, torch_module=job.torch_module, launches=job.launches,
+                   sourced=job.sourced, traps=job.traps, requeues=job.requeues, steps=[], elements=[],
+                   options=dict(base.options), option_lines=dict(base.option_lines), step_nodes=None, step_ntasks=None,
+                   step_ntasks_per_node=None, step_cpus_per_task=None, het_groups=None, placement="exact")
+
+
+def read_batch_shell(ran: Ran, name: str, job: Job) -> None:
+    """What the batch shell itself does about signals and requeue: `trap HANDLER SIG...` (bash takes the names with
+    or without SIG, in any case, or their numbers) and `scontrol requeue` (kit.steps judges them against --signal
+    and --no-requeue)."""
+    words, where = ran.fields, f"{name}:{ran.line}"
+    prog = os.path.basename(words[0]) if words else ""
+    if prog == "trap" and len(words) >= 3 and words[1] not in ("-p", "-l"):
+        for sig in words[2:] if words[1] != "--" else words[3:]:
+            job.traps.setdefault(signal_name(sig), where)
+    elif prog == "scontrol" and any(w.lower() in ("requeue", "requeuehold") for w in words[1:3]):
+        job.requeues.append(where)
 
 
 def too_complex(name: str, cut: TooComplex, findings: Findings) -> None:

@@ -8,7 +8,7 @@ import re
 from kit.bounded import whole_number
 from kit.findings import Findings
 from kit.site import JEAN_ZAY, node_cap, node_type
-from kit.slurm import Job
+from kit.slurm import Job, implicit_ntasks
 
 
 # -- the placement: where Slurm puts the tasks and which GPUs each sees (measured on the test cluster) --
@@ -133,16 +133,27 @@ def step_placement(job: Job, findings: Findings, kit: bool = True) -> list[int]:
                               " --ntasks-per-node=1 (one per node)"))
         return [1]
     placed = step_tasks_per_node(job, caps, ntasks, nodes, findings)
-    if (job.step_ntasks is None and job.step_nodes is None) or job.placement == "possible":  # the job's shape
-        check_allocation_shape(job, caps, ntasks, findings, kit)
+    implicit = (job.ntasks is None and not job.ntasks_per_node and job.step_cpus_per_task
+                and implicit_ntasks(job) is None)  # srun counts its tasks by -c
+    if ((job.step_ntasks is None and job.step_nodes is None) or job.placement == "possible") and not implicit:
+        check_allocation_shape(job, caps, ntasks, findings, kit)  # the job's shape
     return placed
 
 
 def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: int, findings: Findings) -> list[int]:
     """srun's placement of the trainer's step in the allocation (caps: tasks it holds per node, None: packed by
     free cores), with srun's own -N / -n / --ntasks-per-node / -c from the trainer's line."""
-    k_step, m_step, j_step = job.step_ntasks, job.step_nodes, job.step_ntasks_per_node
+    k_step, m_step, j_step, c_step = job.step_ntasks, job.step_nodes, job.step_ntasks_per_node, job.step_cpus_per_task
+    cores = allocation_cores(job, caps, ntasks) if caps is not None else None
     n_step = k_step if k_step is not None else ntasks  # srun inherits the job's task count (SLURM_NTASKS)
+    if k_step is None and job.ntasks is None and not job.ntasks_per_node and cores and implicit_ntasks(job) is None:
+        # without SLURM_NTASKS srun counts its tasks itself (srun/libsrun/srun_job.c _set_ntasks): -N x
+        # --ntasks-per-node, else with -c the cores each node holds // -c (measured: a --cpus-per-gpu=24 job of 4
+        # GPUs holds 96 cores and `srun -c 48` ran 2 tasks), else one a node
+        if j_step:
+            n_step = (m_step or nodes) * j_step
+        elif c_step:
+            n_step = max(len(cores), sum(c // c_step for c in cores))
     # srun: "can't run K processes on M nodes, setting nnodes to K" (measured), else the job's nodes
     m_step = min(m_step, n_step) if m_step else min(nodes, n_step)
     if m_step > nodes:
@@ -165,19 +176,20 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
             return [1] * m_step
         job.placement = "possible"  # go on with one packing Slurm may make (what idle nodes got)
         caps = packing(ntasks, nodes, node_cap(job))
+        cores = allocation_cores(job, caps, ntasks)
     # the step fits its tasks in the allocation's cores; srun 22.05 does not read SLURM_CPUS_PER_TASK, so without
     # srun -c a task takes 1 core (measured: docs/checker.md, section 10)
-    held = caps[:m_step]
-    if job.ntasks_per_node and ntasks > 1:  # slurmctld then reserves k tasks' cores on every node, whatever -n
-        held = [max(c, job.ntasks_per_node) for c in held]  # (job_mgr.c: pn_min_cpus = cpus_per_task x k)
-    caps = [c * (job.cpus_per_task or 1) // (job.step_cpus_per_task or 1) for c in held]
+    caps = [c // (c_step or 1) for c in cores[:m_step]]
     if n_step > sum(caps):
+        held = ",".join(map(str, cores[:m_step]))
         findings.error("step-too-many-tasks",
-                       f"srun would start {n_step} task(s) on {m_step} node(s) whose allocation holds "
-                       f"{','.join(map(str, caps))} = {sum(caps)} of its cores: srun "
+                       f"srun would start {n_step} task(s)" + (f" of -c {c_step} core(s)" if c_step else "")
+                       + f" on {m_step} node(s) whose allocation holds {held} core(s): srun "
                        + ("may refuse" if job.placement == "possible" else "refuses") + " the step ('More processors "
-                       f"requested than permitted', measured); use srun -n <= {sum(caps)}")
-        return caps
+                       "requested than permitted', measured); "
+                       + (f"use srun -n <= {sum(caps)}" if sum(caps) else
+                          f"use srun -c <= {max(cores[:m_step] or [1])}"))
+        return caps if sum(caps) else [1] * m_step
     if j_step and any(c < j_step for c in caps):
         findings.error("srun-ntasks-per-node-conflict",
                        f"srun --ntasks-per-node={j_step} on nodes holding {','.join(map(str, caps))} task(s): Slurm "
@@ -186,6 +198,29 @@ def step_tasks_per_node(job: Job, caps: list[int] | None, ntasks: int, nodes: in
         job.placement = "possible"
         return packing(n_step, m_step, None)
     return [j_step] * m_step if j_step else spread(n_step, caps)
+
+
+def allocation_gpus(job: Job, tasks: int) -> int | None:
+    """GPUs the allocation gives a node holding `tasks` tasks (--gres, --gpus-per-node, --gpus-per-task x tasks, or
+    a one-node --gpus); None when not known here."""
+    per_node = job.gres_gpus or job.gpus_per_node or (job.gpus_per_task * tasks if job.gpus_per_task else None)
+    if per_node is None and job.gpus_total and (job.nodes or 1) == 1:
+        per_node = job.gpus_total
+    return per_node
+
+
+def allocation_cores(job: Job, caps: list[int], ntasks: int) -> list[int]:
+    """The cores the allocation holds on each node (SLURM_JOB_CPUS_PER_NODE): its tasks x --cpus-per-task, or
+    --cpus-per-gpu x the node's GPUs where that is more (measured: 8 tasks with 2 GPUs at --cpus-per-gpu=2 held 8
+    cores; 2 tasks with 4 GPUs at 24 held 96). With --ntasks-per-node and several tasks slurmctld reserves k tasks'
+    cores on every node, whatever -n (job_mgr.c: pn_min_cpus = cpus_per_task x k)."""
+    held = [max(c, job.ntasks_per_node) if job.ntasks_per_node and ntasks > 1 else c for c in caps]
+    cores = []
+    for h in held:
+        gpus = allocation_gpus(job, h) if job.cpus_per_gpu else None
+        cores.append(max(h * (job.cpus_per_task or 1), (gpus or 0) * (job.cpus_per_gpu or 0)))
+    job.cores_per_node = cores
+    return cores
 
 
 def check_allocation_shape(job: Job, caps: list[int] | None, ntasks: int, findings: Findings,
@@ -252,8 +287,9 @@ def step_gpus_per_node(job: Job, tasks_per_node: list[int], findings: Findings) 
     if per_node and gpt and gpt * busiest != per_node:
         findings.error("gpu-request-conflict",
                        f"--gpus-per-task={gpt} x {busiest} task(s) per node = {gpt * busiest} GPUs disagrees with "
-                       f"{'--gres=gpu:' if gres else '--gpus-per-node='}{per_node}: sbatch refuses the job (22.05: "
-                       f"'Requested node configuration is not available'); keep one of them")
+                       f"{'--gres=gpu:' if gres else '--gpus-per-node='}{per_node}: sbatch refuses the job ('Failed to "
+                       "validate job spec. Based on --gres=gpu/--gpus-per-node and --gpus-per-task requested number of "
+                       "tasks per node differ from --ntasks-per-node.', measured); keep one of them")
     if per_node and total and total != per_node * nodes:
         findings.error("gpu-request-conflict",
                        f"--gpus={total} disagrees with {'--gres=gpu:' if gres else '--gpus-per-node='}{per_node} "

@@ -4,7 +4,7 @@ kit.trainer_checks.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from kit.arguments import Training
 from kit.bounded import printable
@@ -22,22 +22,62 @@ class Report:
     tasks: list[TaskPlan]
     findings: Findings
     notes: list[str] = field(default_factory=list)
+    defaulted: set[str] = field(default_factory=set)  # the trainer's defaults the checker filled in (not the line's)
+    steps: list["Report"] = field(default_factory=list)  # the script's later trainer lines, each planned (kit.steps)
+    where: str | None = None  # the trainer's line this plan is for (file:line), where the script has several
+    placed: list[int] = field(default_factory=list)  # srun's tasks per node (a launcher's agents, not its workers)
 
     @property
     def ok(self) -> bool:
         return not self.findings.errors
 
+    @property
+    def internal(self) -> bool:
+        """A check failed unexpectedly (kit.findings.guarded): the checker exits 2."""
+        return any(f.code == "internal-error" for f in self.findings)
+
+    def plan_dict(self) -> dict:
+        """The plan as --json gives it. Each task's fields are plain values and lists (vars() of the dataclass, not
+        asdict's deep copy), its parts' contents computed once per shape: tens of thousands of tasks, on every
+        trainer line of a script, stay well under a second."""
+        contents: dict[tuple, list[str]] = {}
+        tasks = []
+        for t in self.tasks:
+            shape = (t.nlayers, t.nb_part, id(t.own))
+            if shape not in contents:
+                contents[shape] = t.contents
+            tasks.append(dict(vars(t), first_part=t.first_part, last_part=t.last_part, contents=contents[shape]))
+        return {"where": self.where, "training": asdict(self.training), "tasks": tasks, "notes": self.notes}
+
     def as_dict(self) -> dict:
-        return {
-            "ok": self.ok, "job": asdict(self.job), "training": asdict(self.training),
-            "tasks": [dict(asdict(t), first_part=t.first_part, last_part=t.last_part, contents=t.contents)
-                      for t in self.tasks],
-            "findings": [asdict(f) for f in self.findings], "notes": self.notes,
-        }
+        job = asdict(replace(self.job, steps=[], elements=[], components=[]))
+        job["components"] = [{"nodes": c.nodes, "ntasks": c.ntasks, "ntasks_per_node": c.ntasks_per_node,
+                              "gpus_per_node": c.gpus_per_node, "partition": c.partition} for c in self.job.components]
+        job["elements"] = [e.indices for e in self.job.elements]
+        return {"ok": self.ok, "job": job, **{k: v for k, v in self.plan_dict().items() if k != "notes"},
+                "steps": [s.plan_dict() for s in self.steps],
+                "findings": [asdict(f) for f in self.findings], "notes": self.notes}
 
     def text(self) -> str:
+        lines = [f"check_topology: {self.job.source}"] + self.plan_lines()
+        for step in self.steps:
+            lines += [f"  step {step.where}:"] + ["  " + line for line in step.plan_lines()]
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.findings:
+            lines += [f"  {f}" for f in self.findings]
+        e, w = len(self.findings.errors), len(self.findings) - len(self.findings.errors)
+        lines.append(f"  => {'OK' if self.ok else 'NOT OK'}: {e} error(s), {w} warning(s)")
+        # what a line quotes from Slurm's answers or the script (a partition named with a terminal escape, a
+        # million names) is printed without control characters and cut to kit.bounded.LINE_CHARS (issue 42)
+        return "\n".join(printable(line) for line in lines)
+
+    def plan_lines(self) -> list[str]:
+        """The plan's table (or the launch lines' processes), and the allocation's cores and memory where per-GPU
+        options size them."""
         j, t = self.job, self.training
-        lines = [f"check_topology: {j.source}"]
+        lines = []
+        if j.cpus_per_gpu or j.mem_per_gpu:
+            lines.append(allocation_line(j))
         if self.tasks:
             tpn = sorted({p.tasks_on_node for p in self.tasks})
             nbp = sorted({p.nb_part for p in self.tasks})
@@ -81,11 +121,13 @@ class Report:
                              + (f" ({choice_list(lay['agents_per_node'])} agent(s) per node)" if x.launcher in (
                                  "torchrun", "deepspeed", "accelerate") else "")
                              + (f", {lay['gpus_per_process']} GPU(s) each" if lay.get("gpus_per_process") else ""))
-        lines += [f"  note: {n}" for n in self.notes]
-        if self.findings:
-            lines += [f"  {f}" for f in self.findings]
-        e, w = len(self.findings.errors), len(self.findings) - len(self.findings.errors)
-        lines.append(f"  => {'OK' if self.ok else 'NOT OK'}: {e} error(s), {w} warning(s)")
-        # what a line quotes from Slurm's answers or the script (a partition named with a terminal escape, a
-        # million names) is printed without control characters and cut to kit.bounded.LINE_CHARS (issue 42)
-        return "\n".join(printable(line) for line in lines)
+        return lines
+
+
+def allocation_line(j: Job) -> str:
+    """What --cpus-per-gpu and --mem-per-gpu give each node, as Slurm computes it (kit.placement.allocation_cores)."""
+    gpus = j.gpus_per_node or 0
+    cores = f"{choice_list(sorted(set(j.cores_per_node)))} core(s)" if j.cores_per_node else "cores not known"
+    memory = f", {j.mem_per_gpu * gpus / 1024:g} GiB (--mem-per-gpu x {gpus} GPU(s))" if j.mem_per_gpu and gpus else ""
+    return f"  allocation per node: {cores}" + (f" (--cpus-per-gpu={j.cpus_per_gpu} x {gpus} GPU(s), or the tasks' "
+                                                "cores where more)" if j.cpus_per_gpu else "") + memory

@@ -49,7 +49,7 @@ V100_HOURS = {"t3": 20, "dev": 2, "t4": 100}
 #   assoc` listings in users' notes. IDRIS's own QoS table was not reachable: per-job GPU limits of the A100 and
 #   H100 QoS are not checked.
 # - cores: 40 per V100 node and per cpu_p1 node (2 x Cascade Lake 6248), 24 on gpu_p2, 48 on gpu_p4, 64 on gpu_p5
-#   (2 x AMD Milan), 96 on gpu_p6 (2 x 48-core Sapphire Rapids, press release of the 2024 extension); prepost's
+#   (2 x AMD Milan), 96 on gpu_p6 (24 a GPU in IDRIS's own H100 scripts: the row's comment); prepost's
 #   not confirmed. Memory is granted per reserved core.
 # - modules: `module load cpuarch/amd` for gpu_p5 (IDRIS's job-script template, as users' scripts copy it: "if you
 #   are using the gpu_p5 partition"), `module load arch/h100` before the others on gpu_p6.
@@ -64,6 +64,13 @@ JEAN_ZAY = {
                         ("qos_gpu_a100", "qos_gpu"), {"t3": 20, "dev": 2, "t4": 100}, 100, 10),
     "a100": NodeType("8-GPU A100 80 GB nodes (-C a100, gpu_p5)", ("gpu_p5",), 8, 81920 / 1024, 64, ("a100",),
                      ("qos_gpu_a100",), {"t3": 20, "dev": 2}, 20, 10, {"a100": 81920 / 1024}, arch="cpuarch/amd"),
+    # H100, checked 2026-12-07 against IDRIS's own sources: "CPU Partitions" (idris.fr/en/docs/jean-zay/slurm/
+    # slurm_partitions_cpu: gpu_p6 is "the Eviden H100 partition", compil_H100 compiles for it) and IDRIS's job
+    # scripts for these nodes (github.com/idriscnrs/picotron_tutorial_jean-zay, slurm/run_step*.slurm:
+    # --constraint=h100, --account=...@h100, --gres=gpu:4 with --ntasks-per-node=4 and --cpus-per-task=24, i.e. 24
+    # cores a GPU and 96 a node, --qos=qos_gpu_h100-dev, `module load arch/h100` before pytorch-gpu). The -t3 (the
+    # default) and -t4 names, and the hours, are users' (their scripts and sacctmgr listings), not IDRIS's pages:
+    # the stored "GPU Partitions" page stops before its H100 section.
     "h100": NodeType("4-GPU H100 nodes (-C h100, gpu_p6)", ("gpu_p6",), 4, 81559 / 1024, 96, ("h100",),
                      ("qos_gpu_h100",), V100_HOURS, 100, 10, {"h100": 81559 / 1024}, arch="arch/h100",
                      arch_required=True),
@@ -190,31 +197,53 @@ def check_cpus(job: Job, gpus_per_task: int, tasks_per_node: list[int], findings
     t = JEAN_ZAY[ntype] if ntype else None
     per_gpu = t.cores // t.gpus if t and t.cores and t.gpus else None
     want = per_gpu * gpus_per_task if per_gpu and gpus_per_task else None
-    if job.cpus_per_task is None:
+    if job.cpus_per_task is None and job.cpus_per_gpu:  # the cores come with the GPUs: --cpus-per-gpu x GPUs
+        check_cpus_per_gpu(job, t, per_gpu, findings)
+    elif job.cpus_per_task is None:
         if gpus_per_task or (t and t.gpus):
             findings.warn("cpus-per-task-missing",
                           "--cpus-per-task is not given: each task gets 1 core for itself and its DataLoader workers "
                           "(and on Jean Zay only 1 core's share of memory); "
                           + (f"add --cpus-per-task={want} ({per_gpu} per GPU x {gpus_per_task} GPUs)" if want
                              else "add --cpus-per-task=<cores per GPU x GPUs per task>"))
-    elif want and job.cpus_per_task < want:
+    elif want and (job.step_cpus_per_task or job.cpus_per_task) < want:
+        said = f"srun -c {job.step_cpus_per_task}" if job.step_cpus_per_task else f"--cpus-per-task={job.cpus_per_task}"
         findings.warn("cpus-per-task-small",
-                      f"--cpus-per-task={job.cpus_per_task} is below the {want} cores that go with {gpus_per_task} "
-                      f"GPU(s) on {t.label}; memory is granted per reserved core there: use --cpus-per-task={want}")
-    elif gpus_per_task and job.cpus_per_task < 2:
+                      f"{said} is below the {want} cores that go with {gpus_per_task} GPU(s) on {t.label}; memory is "
+                      f"granted per reserved core there: use {said.rpartition(' ')[0] or '--cpus-per-task'}"
+                      f"{'=' if not job.step_cpus_per_task else ' '}{want}")
+    elif gpus_per_task and (job.step_cpus_per_task or job.cpus_per_task) < 2:
         findings.warn("cpus-per-task-small", f"--cpus-per-task={job.cpus_per_task} leaves no core for DataLoader "
                       "workers; use at least 2")
-    if t and t.cores and job.cpus_per_task and tasks_per_node:
-        busiest = max(tasks_per_node)
+    # the request's own tasks a node (what sbatch judges: --ntasks-per-node, or -n on one node), not a step's: srun
+    # gives a step's task 1 core without -c (measured: -N 1 -c 10 ran `srun -n 5`)
+    busiest = job.ntasks_per_node or (job.ntasks if job.ntasks and (job.nodes or 1) == 1 else None)
+    if t and t.cores and job.cpus_per_task and busiest:
         if job.cpus_per_task * busiest > t.cores:
             findings.error("cpus-exceed-node",
                            f"{busiest} task(s) x --cpus-per-task={job.cpus_per_task} = "
-                           f"{busiest * job.cpus_per_task} cores, but {t.label} have {t.cores}; "
+                           f"{busiest * job.cpus_per_task} cores, but {t.label} have {t.cores}: sbatch refuses the "
+                           "job ('CPU count per node can not be satisfied', measured); "
                            f"use --cpus-per-task <= {max(1, t.cores // busiest)}")
     hints = [h.lower() for h in value_tokens(job.hint or "")]
     if "nomultithread" not in hints and all(h in HINTS for h in hints if h):  # a hint sbatch refuses: bad-value
         findings.warn("hint-missing", "--hint=nomultithread is not set: tasks get hyperthreads instead of "
                       "physical cores (Jean Zay's advice for its jobs is --hint=nomultithread)")
+
+
+def check_cpus_per_gpu(job: Job, t: NodeType | None, per_gpu: int | None, findings: Findings) -> None:
+    """--cpus-per-gpu: the allocation holds that many cores per GPU on each node (measured on the test cluster:
+    --cpus-per-gpu=24 with 4 GPUs held 96 cores); more than the node has is refused, fewer than its share leaves
+    memory unused on Jean Zay (granted per core)."""
+    gpn, cpg = job.gpus_per_node, job.cpus_per_gpu
+    where = job.option_lines.get("cpus-per-gpu", "the directives")
+    if t and t.cores and gpn and cpg * gpn > t.cores:
+        findings.error("cpus-exceed-node", f"{where}: --cpus-per-gpu={cpg} x {gpn} GPU(s) = {cpg * gpn} cores per "
+                       f"node, but {t.label} have {t.cores}: sbatch refuses the job ('Requested node configuration "
+                       f"is not available', measured); use --cpus-per-gpu <= {t.cores // gpn}")
+    elif per_gpu and cpg < per_gpu:
+        findings.warn("cpus-per-task-small", f"{where}: --cpus-per-gpu={cpg} is below the {per_gpu} cores per GPU of "
+                      f"{t.label}; memory is granted per reserved core there: use --cpus-per-gpu={per_gpu}")
 
 
 def qos_of(job: Job) -> tuple[str | None, str | None]:

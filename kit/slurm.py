@@ -63,6 +63,21 @@ class Job:
     # in `site`: a site_slurm.SiteFacts), "none" (Slurm's own behaviour only)
     site_rules: str = "jean-zay"
     site: object = None
+    # per-GPU sizing (sbatch --cpus-per-gpu, --mem-per-gpu) and the memory options, in MB (str_to_mbytes)
+    cpus_per_gpu: int | None = None
+    mem_per_gpu: int | None = None
+    mem: int | None = None
+    mem_per_cpu: int | None = None
+    cores_per_node: list[int] | None = None  # the cores the allocation holds on each node (kit.placement)
+    # the whole script: its heterogeneous components (this job is component 0), every kit trainer line (Step), the
+    # array's elements read one by one, what the batch shell does about signals, requeue and the steps' environment
+    components: list = field(default_factory=list)
+    component: int = 0  # which component this Job is (srun --het-group)
+    het_groups: list[int] | None = None  # srun --het-group on the step's line: the components it runs on
+    steps: list = field(default_factory=list)
+    elements: list = field(default_factory=list)
+    traps: dict[str, str] = field(default_factory=dict)  # signal name -> where the batch shell traps it
+    requeues: list[str] = field(default_factory=list)  # where the script runs `scontrol requeue`
 
 # The option tables of Slurm 22.05 (Debian bookworm's slurm-wlm): every option `man sbatch` / `man srun` list, with
 # r = takes a value, o = an optional value (only as --name=value), n = a flag; plus the undocumented aliases the real
@@ -198,7 +213,7 @@ def parse_options(tokens: list[str], where: str, findings: Findings, prog: str =
 # hardware threads). A count above its bound is refused (the test cluster's slurmctld refused them all: 'Requested
 # node configuration is not available', 'Invalid Trackable RESource (TRES) specification').
 COUNT_LIMITS = {"nodes": 4096, "ntasks": 4096 * 8, "ntasks-per-node": 192, "cpus-per-task": 192,
-                "gpus-per-node": 16, "gpus-per-task": 16, "gpus": 4096 * 16, "gres": 16}
+                "gpus-per-node": 16, "gpus-per-task": 16, "gpus": 4096 * 16, "gres": 16, "cpus-per-gpu": 192}
 
 
 def too_many_tasks(per_node: list[int], findings: Findings) -> bool:
@@ -241,9 +256,18 @@ def bounded(name: str, count: int, where: str, findings: Findings, raw: str | No
     shown = number_shown(raw.lstrip("0") or "0" if raw else str(count))
     shown = f"gpu:{shown}" if name == "gres" else shown
     findings.error("count-too-large", f"{where}: --{name}={shown} is more than any Jean Zay node or partition has "
-                   f"(the checker plans up to {limit}); Slurm refuses it ('Requested node configuration is not "
-                   f"available'): ask for what the nodes have")
+                   f"(the checker plans up to {limit}); {COUNT_FATE.get(name, COUNT_FATE['gres'])}: ask for what the "
+                   "nodes have")
     return None
+
+
+# What slurmctld 22.05 does with a count no node or partition holds (measured on the test cluster): tasks and nodes
+# are accepted and pend for good; GPUs and cores per GPU are refused at submission.
+COUNT_FATE = dict.fromkeys(("nodes", "ntasks", "ntasks-per-node", "cpus-per-task"),
+                           "sbatch accepts it and the job pends forever (squeue's reason: PartitionConfig, measured)")
+COUNT_FATE.update(dict.fromkeys(("gres", "gpus-per-node", "gpus", "cpus-per-gpu"), "sbatch refuses it ('Requested "
+                                "node configuration is not available', measured)"))
+COUNT_FATE["gpus-per-task"] = "sbatch refuses it"
 
 
 def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
@@ -265,7 +289,19 @@ def gres_gpus(value: str, where: str, findings: Findings) -> int | None:
 
 INT_FIELDS = {"nodes": "nodes", "ntasks": "ntasks", "ntasks-per-node": "ntasks_per_node",
               "cpus-per-task": "cpus_per_task", "gpus-per-node": "gpus_per_node", "gpus-per-task": "gpus_per_task",
-              "gpus": "gpus_total"}
+              "gpus": "gpus_total", "cpus-per-gpu": "cpus_per_gpu"}
+
+MEM_FIELDS = {"mem": "mem", "mem-per-gpu": "mem_per_gpu", "mem-per-cpu": "mem_per_cpu"}
+
+
+def mbytes(value: str) -> int | None:
+    """A size as sbatch 22.05 reads it (src/common/proc_args.c str_to_mbytes): a number of MB, or with K (rounded
+    up), M, G or T; None where sbatch refuses it (option_value_problem says so)."""
+    m = re.fullmatch(r"(\d+)([KMGTkmgt]?)[Bb]?", value.strip())
+    if not m or len(m.group(1)) > 15:
+        return None
+    n, unit = int(m.group(1)), m.group(2).upper()
+    return -(-n // 1024) if unit == "K" else n * {"": 1, "M": 1, "G": 1024, "T": 1024 ** 2}[unit]
 
 TEXT_FIELDS = {"hint": "hint", "constraint": "constraint", "partition": "partition", "time": "time",
                "account": "account", "qos": "qos", "distribution": "distribution"}
@@ -283,6 +319,8 @@ def apply_option(job: Job, name: str, value: str | None, where: str, findings: F
         return
     if name in INT_FIELDS:
         setattr(job, INT_FIELDS[name], _int_option(name, value, where, findings))
+    elif name in MEM_FIELDS:
+        setattr(job, MEM_FIELDS[name], mbytes(value or ""))
     elif name == "gres":
         n = gres_gpus(value or "", where, findings)
         if n is not None:
@@ -303,6 +341,8 @@ def apply_srun_option(job: Job, name: str, value: str | None, where: str, findin
     """An srun option on the trainer's line: the step's own shape (it inherits the rest from the job)."""
     if name in STEP_FIELDS:
         setattr(job, STEP_FIELDS[name], _int_option(name, value, where, findings))
+    elif name == "het-group":
+        job.het_groups = het_groups(value or "")
     elif name in ("gpus-per-task", "gpu-bind", "distribution"):
         apply_option(job, name, value, where, findings)
     elif name in ("gres", "gpus-per-node", "gpus"):
@@ -382,6 +422,30 @@ def cpu_bind_problem(v: str) -> str | None:
     return None
 
 
+def distribution_problem(v: str) -> str | None:
+    """--distribution as proc_args.c verify_dist_type reads it: plane=N, or up to three levels and a pack flag."""
+    if re.fullmatch(r"(?i)plane=[0-9]+", v) and whole_number(v.split("=")[1]) > 0:
+        return None
+    base, _, flag = v.partition(",")
+    levels = base.split(":")
+    ok = (0 < len(levels) <= 3 and levels[0].lower() in ("*", "block", "cyclic", "arbitrary", "hostfile")
+          and all(x.lower() in ("*", "block", "cyclic", "fcyclic") for x in levels[1:])
+          and (not flag or flag.lower() in ("pack", "nopack")))
+    return None if ok else (f"--distribution={quoted(v)} is not a distribution (block, cyclic, plane=N, arbitrary, "
+                            "with :block|cyclic|fcyclic levels and ,pack|nopack)")
+
+
+def signal_problem(v: str) -> str | None:
+    """--signal as proc_args.c get_signal_opts reads it: [R|B[R]:]SIGNAL[@SECONDS], SECONDS at most 65535."""
+    m = re.fullmatch(r"(?i)(?:R?B?R?:)?(?:SIG)?(\w+?)(?:@([0-9]+))?", v)
+    sig = m.group(1).upper() if m else ""
+    number = whole_number(sig)  # ASCII digits, bounded: '@' and 5,000 digits is one finding
+    ok = m and ((number is not None and 0 < number <= 0xffff) or sig in SIGNALS) \
+        and whole_number(m.group(2) or "0") <= 0xffff
+    return None if ok else (f"--signal={quoted(v)}: Invalid --signal specification ([B:]SIGNAL[@seconds], e.g. "
+                            "USR1@300; seconds at most 65535)")
+
+
 def option_value_problem(name: str, value: str | None, prog: str = "sbatch") -> tuple[str | None, str | None]:
     """(why sbatch or srun refuse this value, how they read it other than written); (None, None) when fine.
     Each rule is 22.05's own parser, named beside it."""
@@ -400,27 +464,13 @@ def option_value_problem(name: str, value: str | None, prog: str = "sbatch") -> 
     if name == "cpu-bind":  # common/slurm_resource_info.c slurm_verify_cpu_bind
         return cpu_bind_problem(v), None
     if name == "distribution":  # proc_args.c verify_dist_type
-        if re.fullmatch(r"(?i)plane=[0-9]+", v) and whole_number(v.split("=")[1]) > 0:
-            return None, None
-        base, _, flag = v.partition(",")
-        levels = base.split(":")
-        ok = (0 < len(levels) <= 3 and levels[0].lower() in ("*", "block", "cyclic", "arbitrary", "hostfile")
-              and all(x.lower() in ("*", "block", "cyclic", "fcyclic") for x in levels[1:])
-              and (not flag or flag.lower() in ("pack", "nopack")))
-        return (None, None) if ok else (f"--distribution={q} is not a distribution (block, cyclic, plane=N, "
-                                        "arbitrary, with :block|cyclic|fcyclic levels and ,pack|nopack)", None)
+        return distribution_problem(v), None
     if name == "exclusive":  # slurm_opt.c arg_set_exclusive
         ok = value is None or v.lower() in ("exclusive", "oversubscribe", "user", "mcs")
         return (None, None) if ok else (f"--exclusive={q}: Invalid --exclusive specification (user, mcs, or no "
                                         "value)", None)
-    if name == "signal":  # proc_args.c get_signal_opts: [R|B[R]:]SIGNAL[@SECONDS], SECONDS at most 65535
-        m = re.fullmatch(r"(?i)(?:R?B?R?:)?(?:SIG)?(\w+?)(?:@([0-9]+))?", v)
-        sig = m.group(1).upper() if m else ""
-        number = whole_number(sig)  # ASCII digits, bounded: '@' and 5,000 digits is one finding
-        ok = m and ((number is not None and 0 < number <= 0xffff) or sig in SIGNALS) \
-            and whole_number(m.group(2) or "0") <= 0xffff
-        return (None, None) if ok else (f"--signal={q}: Invalid --signal specification ([B:]SIGNAL[@seconds], "
-                                        "e.g. USR1@300; seconds at most 65535)", None)
+    if name == "signal":  # proc_args.c get_signal_opts
+        return signal_problem(v), None
     if name == "mail-type":  # proc_args.c parse_mail_type: unknown words are dropped, all unknown is an error
         words = [w for w in v.split(",") if w]
         bad = [w for w in words if w.upper() not in MAIL_TYPES]
@@ -439,6 +489,8 @@ def option_value_problem(name: str, value: str | None, prog: str = "sbatch") -> 
     if name == "kill-on-invalid-dep":  # slurm_opt.c arg_set_kill_on_invalid_dep
         ok = v.lower() in ("yes", "no")
         return (None, None) if ok else (f"--kill-on-invalid-dep={q}: yes or no", None)
+    if name in ("dependency", "array", "het-group"):
+        return job_shape_problem(name, v), None
     if name in ("time", "time-min") and v and time_minutes(v) is None:  # parse_time.c time_str2mins
         return f"--{name}={q} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)", None
     return None, None
@@ -455,7 +507,8 @@ def check_option_values(job: Job, options: list[tuple[str, str | None]], where: 
             continue
         refused, misread = option_value_problem(name, value, prog)
         if refused:
-            findings.error("bad-value", f"{where}: {refused}; {prog} refuses it")
+            said = "" if re.search(r"refuses|submission fails", refused) else f"; {prog} refuses it"
+            findings.error("bad-value", f"{where}: {refused}{said}")
         elif misread:
             findings.warn("value-misread", f"{where}: {misread}")
 
@@ -518,3 +571,169 @@ def time_minutes(value: str) -> float | None:
     else:
         minutes = int(a) + int(b or 0) / 60
     return minutes or float("inf")  # arg_set_time_limit: a limit of 0 minutes is no limit
+
+
+# -- job arrays, dependencies and heterogeneous groups, as Slurm 22.05 reads them --
+
+# slurm.conf(5) MaxArraySize: 1001 by default, so the largest index is 1000 (measured: --array=1000 runs,
+# --array=1-1001 is refused with 'Invalid job array specification'). A site may raise it: `scontrol show config`.
+MAX_ARRAY_INDEX = 1000
+
+
+def array_indices(spec: str) -> list[int] | None:
+    """--array's indices in order (slurmctld/job_mgr.c _valid_array_inx and _parse_array_tok: comma-separated
+    tokens N, N-M or N-M:step, each may be in [ ], a %limit after the last; strtol's reading of each number), or
+    None where slurmctld refuses the specification."""
+    found: set[int] = set()
+    for tok in spec.split(","):
+        if not tok:  # strtok_r skips empty tokens (measured: --array=1,,3 ran 1 and 3)
+            continue
+        m = re.fullmatch(r"\[?\s*\+?(\d{1,9})\]?(?:-\s*\+?(\d{1,9})\]?(?::\s*\+?(\d{1,9})\]?)?)?(%.*)?", tok)
+        if not m:
+            return None
+        first = int(m.group(1))
+        last = int(m.group(2)) if m.group(2) is not None else first
+        step = int(m.group(3)) if m.group(3) is not None else 1
+        if last < first or last > MAX_ARRAY_INDEX or not 0 < step <= MAX_ARRAY_INDEX:
+            return None
+        found.update(range(first, last + 1, step))
+    return sorted(found) if found else None
+
+
+def job_shape_problem(name: str, v: str) -> str | None:
+    """--dependency, --array (refused when sbatch submits: slurmctld's words) and srun's --het-group."""
+    if name == "dependency":  # slurmctld/job_scheduler.c update_job_dependency
+        return dependency_problem(v)
+    if name == "array":  # slurmctld/job_mgr.c _valid_array_inx
+        return None if array_indices(v) is not None else (
+            f"--array={v}: sbatch's submission fails ('Invalid job array specification'): indices from 0 to "
+            f"{MAX_ARRAY_INDEX}, as N, N-M, N-M:step, comma-separated, with an optional %limit")
+    if het_groups(v) is None:  # srun/libsrun/opt.c: _parse_single_range
+        return f"--het-group={v}: srun refuses it ('Invalid --het-group value: {v}'); give component numbers"
+    return None
+
+
+def index_ranges(indices: list[int]) -> str:
+    """1,2,3,5,7,8 as '1-3,5,7-8' (how Slurm writes array indices)."""
+    out, start = [], None
+    for i, n in enumerate(indices):
+        if start is None:
+            start = n
+        if i + 1 == len(indices) or indices[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ",".join(out)
+
+
+DEPEND_TYPES = ("afternotok", "aftercorr", "afterany", "afterok", "afterburstbuffer", "after")
+
+
+def dependency_problem(spec: str) -> str | None:
+    """What slurmctld 22.05 refuses in --dependency (src/slurmctld/job_scheduler.c update_job_dependency and
+    _parse_dependency_jobid_new: 'singleton', or TYPE:JOBID[_TASK][+MINUTES][:JOBID...], or old-style job ids,
+    joined by ',' or '?'; the types match without case), in sbatch's words; None when it is read. Job ids that no
+    longer exist are accepted (measured: afterok:77 ran at once)."""
+    fail = (f"--dependency={spec}: sbatch's submission fails ('Job dependency problem'); write singleton, or "
+            "after|afterany|afterok|afternotok|aftercorr:JOBID[:JOBID...] joined by ',' (all) or '?' (any)")
+    rest = spec
+    while True:
+        low = rest.lower()
+        if low.startswith("singleton"):
+            rest = re.sub(r"^\([^)]*\)", "", rest[9:])
+        elif ":" not in rest and rest[:1].isdigit():  # the old form: job ids joined by ','
+            return None if re.fullmatch(r"(\d+(_(\d+|\*))?)(,\d+(_(\d+|\*))?)*", rest) and not re.search(
+                r"(^|,)0+(_|,|$)", rest) else fail
+        elif low.startswith("expand:"):  # permit_job_expansion is off by default (slurm.conf(5) SchedulerParameters)
+            return (f"--dependency={spec}: sbatch's submission fails ('Requested operation not supported on this "
+                    "system': expand needs SchedulerParameters=permit_job_expansion)")
+        else:
+            # each type is compared with its ':' but afterburstbuffer, whose 11 first letters are (a quirk of the
+            # source: strncasecmp(tok, "afterburstbuffer:", 11)); the job ids start after the first ':'
+            kind = next((t for t in DEPEND_TYPES if low.startswith(t[:11] if t == "afterburstbuffer" else t + ":")),
+                        None)
+            if kind is None or ":" not in rest:
+                return fail
+            rest = rest[rest.index(":") + 1:]
+            m = re.match(r"(?:\d+(?:_(?:\d+|\*))?(?:\+\d+)?(?:\([^)]*\))?)(?::\d+(?:_(?:\d+|\*))?(?:\+\d+)?"
+                         r"(?:\([^)]*\))?)*", rest)
+            ids = m.group(0) if m else ""
+            if not ids or re.search(r"(^|:)0+(_|\+|\(|:|$)", ids) or re.search(r"\+0+(\D|$)", ids):
+                return fail
+            rest = rest[len(ids):]
+        if not rest:
+            return None
+        if rest[0] not in ",?" or len(rest) == 1:
+            return fail
+        rest = rest[1:]
+
+
+def het_groups(value: str) -> list[int] | None:
+    """srun --het-group: component numbers, comma-separated, with ranges N-M (srun/libsrun/opt.c reads it with
+    _parse_single_range: 'Invalid --het-group value: 1-0'); None when srun refuses it."""
+    found: list[int] = []
+    for tok in value.split(","):
+        m = re.fullmatch(r"(\d{1,4})(?:-(\d{1,4}))?", tok.strip())
+        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            return None
+        found += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
+    return sorted(set(found)) or None
+
+
+# Linux's signal numbers (signal(7), x86 and ARM), for --signal and bash's `trap` given by number; and the signals
+# whose default action does not end a process (ignored, or stop/continue)
+SIGNAL_NUMBERS = dict(enumerate(("HUP INT QUIT ILL TRAP ABRT BUS FPE KILL USR1 SEGV USR2 PIPE ALRM TERM STKFLT CHLD CONT "
+                                 "STOP TSTP TTIN TTOU URG XCPU XFSZ VTALRM PROF WINCH IO PWR SYS").split(), 1))
+
+SIGNALS_NOT_FATAL = ("CHLD", "CONT", "URG", "WINCH", "STOP", "TSTP", "TTIN", "TTOU")
+
+
+def signal_name(word: str) -> str:
+    """A signal as bash's trap or Slurm's --signal names it: USR1, SIGUSR1, usr1 or 10 are all USR1."""
+    w = word.strip().upper()
+    w = w[3:] if w.startswith("SIG") else w
+    return SIGNAL_NUMBERS.get(int(w), w) if w.isdigit() else w
+
+
+def signal_spec(value: str) -> tuple[bool, str, int] | None:
+    """--signal=[R|B[R]:]SIG[@SECONDS] (proc_args.c get_signal_opts): (to the batch shell only, the signal, the
+    seconds before the end: 60 by default), or None where sbatch refuses it (option_value_problem says so)."""
+    m = re.fullmatch(r"(?i)(?:([RB]{1,2}):)?(\w+?)(?:@(\d+))?", value.strip())
+    if not m or option_value_problem("signal", value)[0]:
+        return None
+    return "B" in (m.group(1) or "").upper(), signal_name(m.group(2)), int(m.group(3) or 60)
+
+
+def implicit_ntasks(job: Job) -> int | None:
+    """The task count sbatch 22.05 sets by itself (sbatch/opt.c _opt_verify, "1 proc / min_[socket * core * thread]
+    default"): with -N N exact (or -B) and neither -n nor --ntasks-per-node, a --hint other than multithread, or
+    --threads-per-core / --cores-per-socket / --sockets-per-node / -B, make SLURM_NTASKS = N x their product, which
+    srun then inherits (measured: -N 1 --cpus-per-gpu=16 on 4 GPUs with --hint=nomultithread set SLURM_NTASKS=1 and
+    `srun -c 32` ran 1 task; without the hint, 2). None where sbatch sets none."""
+    o = job.options
+    if job.ntasks is not None or job.ntasks_per_node or "ntasks" in o or "ntasks-per-node" in o:
+        return None
+    if not (("nodes" in o and re.fullmatch(r"\d+", o["nodes"] or "")) or "extra-node-info" in o):
+        return None
+    factors = {}
+    b = re.fullmatch(r"(\d+|\*)(?::(\d+|\*))?(?::(\d+|\*))?", o.get("extra-node-info") or "")
+    for name, value in zip(("sockets", "cores", "threads"), b.groups() if b else ()):
+        if value and value != "*":
+            factors[name] = int(value)
+    for name, option in (("sockets", "sockets-per-node"), ("cores", "cores-per-socket"), ("threads", "threads-per-core")):
+        if (o.get(option) or "").isdigit():
+            factors[name] = int(o[option])
+    hints = [h.lower() for h in value_tokens(o.get("hint") or "")] if "hint" in o and not (
+        {"ntasks-per-core", "threads-per-core", "extra-node-info"} & set(o)) else []  # validate_hint_option
+    for h in hints:  # proc_args.c verify_hint: the last word decides each count
+        if h in ("compute_bound", "nomultithread"):
+            factors["threads"] = 1
+        elif h == "memory_bound":
+            factors.update(cores=1, threads=1)
+        elif h == "multithread":
+            factors.pop("threads", None)
+    if not factors:
+        return None
+    count = int(o["nodes"]) if (o.get("nodes") or "").isdigit() else 1
+    for value in factors.values():
+        count *= value
+    return count

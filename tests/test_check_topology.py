@@ -259,7 +259,9 @@ NOT_IN_CORPUS = {
     "task-missing": "srun python check_topology.py only", "affinity-small": "srun python check_topology.py only",
     "no-gpu-visible": "srun python check_topology.py only",
     "bad-engine": "test_parse_errors", "bad-layout": "test_parse_errors", "bad-schedule": "test_parse_errors",
-    "bad-command": "test_parse_errors", "bad-directive": "test_parse_errors", "hetjob": "test_parse_errors",
+    "bad-command": "test_parse_errors", "bad-directive": "test_parse_errors",
+    "internal-error": "tests/test_jobs.py test_a_check_that_raises_is_one_finding_and_the_others_run",
+    "array-partly-checked": "tests/test_jobs.py test_an_array_too_long_to_read_says_which_elements_it_checked",
     "node-range": "test_parse_errors", "nodes-missing": "test_placement_measured",
     "srun-gpu-option": "test_parse_errors",
     "count-too-large": "tests/test_scripts.py test_huge_counts_in_a_script",
@@ -571,7 +573,9 @@ def test_parse_errors(tmp_path):
                       "srun --gres=gpu:2 python bench_ddp_transformer.py --engine x --layout y --schedule z 'q\n")
     job, training, findings = kit.jobscript.read_sbatch(script)
     codes = {f.code for f in findings}
-    assert {"bad-directive", "node-range", "gpu-bind-mask", "hetjob", "gpu-bind-closest", "bad-command"} <= codes, codes
+    assert {"bad-directive", "node-range", "gpu-bind-mask", "gpu-bind-closest", "bad-command"} <= codes, codes
+    # the hetjob line starts component 1, which the line after it describes (component 0 keeps its own)
+    assert [c.gpu_bind for c in job.components] == ["mask_gpu:0x3", "closest"] and job.components[0] is job
     script.write_text("#!/bin/bash\n#SBATCH -N 1 --gres=gpu:4\n"
                       "srun --gres=gpu:2 python bench_ddp_transformer.py --engine x --layout y --schedule z\n")
     job, training, findings = kit.jobscript.read_sbatch(script)

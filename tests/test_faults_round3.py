@@ -182,24 +182,30 @@ def test_a_pipes_deadline_is_a_total(tmp_path):
     read (it used to be the time between two bytes: 4 MiB at that pace is days)."""
     fifo = tmp_path / "job.fifo"
     os.mkfifo(fifo)
-    stop = threading.Event()
+    stop, opened = threading.Event(), threading.Event()
+    # a reader of our own first, so that the writer's open() returns at once and the writer is there before the
+    # checker opens the FIFO (a FIFO no writer has opened yet reads as its end: the test would race the thread)
+    keep = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
 
     def writer() -> None:
         with open(fifo, "wb", buffering=0) as w:
+            opened.set()
             w.write(b"#!/bin/bash\n")
             while not stop.wait(0.05):
                 try:
                     w.write(b"#")
-                except BrokenPipeError:
+                except (BrokenPipeError, BlockingIOError):
                     return
     thread = threading.Thread(target=writer, daemon=True)
     thread.start()
+    assert opened.wait(10), "the writer never opened the FIFO"
     start = time.monotonic()
     try:
         with pytest.raises(kit.jobscript.UsageError, match="the pipe did not end within 2 s"):
             kit.jobscript.read_script_text(fifo)
     finally:
         stop.set()
+        os.close(keep)
     assert time.monotonic() - start < 5
 
 
@@ -636,7 +642,7 @@ def test_ctrl_c_in_the_checker_is_one_line(tmp_path, monkeypatch, capsys):
     """Ctrl-C during a long measurement (--model, --advise) was a 68-line traceback."""
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
-    monkeypatch.setattr(ct, "check_job", interrupted)
+    monkeypatch.setattr(ct, "check_script", interrupted)  # what a job script's check calls (kit.steps)
     (tmp_path / "job.slurm").write_text(JOB.format(options=""))
     assert ct.main(["--site", "none", str(tmp_path / "job.slurm")]) == 130
     err = capsys.readouterr().err.strip().splitlines()

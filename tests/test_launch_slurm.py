@@ -51,7 +51,10 @@ def test_sbatch_gives_each_script_its_verdict(slurm_cluster, path):
 
 REQUESTS = ["-N 2 --ntasks-per-node=2 -c 10 --gres=gpu:4", "-N 1", "-n 3", "-N 2 --gpus-per-node=2",
             "-N 3 -n 5 --ntasks-per-node=2", "-N 2 --gpus=8 -C v100-32g", "-N 1 --array=0-1 --hint=nomultithread",
-            "-p cpu_p1 -N 2 --ntasks-per-node=40"]
+            "-p cpu_p1 -N 2 --ntasks-per-node=40",
+            # issue 40: per-GPU sizing, distributions, the task count sbatch sets itself (the hint), --export
+            "-p gpu_p6 -N 1 --gres=gpu:4 --cpus-per-gpu=24 --mem-per-gpu=2G -m plane=2 --hint=nomultithread",
+            "-N 2 -n 3 --gpus-per-task=1 -m cyclic --export=NONE"]
 
 
 @pytest.mark.parametrize("request_", REQUESTS)

@@ -251,3 +251,8 @@ def test_the_kits_model_options_given_with_model_are_said_to_be_ignored(tmp_path
     [warning] = [x for x in r.stdout.splitlines() if "ignored-with-model" in x]
     assert "--d-model, --nlayers shape the kit's own Transformer" in warning, warning
     assert "6 layers, --split even, sizes [3, 3]" in r.stdout, r.stdout
+    # it speaks only of the options the line sets (issue 40: --nlayers, which the checker fills in with the
+    # trainer's default, was named on every --model line)
+    r = check_job(tmp_path, [*MODELS["conv"][0], "--d-model", "256", "--batch-size", "16"])
+    [warning] = [x for x in r.stdout.splitlines() if "ignored-with-model" in x]
+    assert r.returncode == 0 and "--d-model shape" in warning and "--nlayers" not in warning, r.stdout + r.stderr

@@ -98,6 +98,8 @@ def probe_dir(tmp_path_factory, slurm_cluster) -> Path:
 @given(requests())
 # found by a new seed: with --ntasks-per-node and -n > 1, every node holds k tasks' cores, so srun -N 1 runs both
 @example(("-N 2 -n 2 --ntasks-per-node 2 -c 1", "-N 1"))
+# and: a step's tasks take 1 core without srun -c, so `srun -n 5` in a one-task -c 10 job is no refused request
+@example(("-N 1 -c 10", "-n 5"))
 def test_plan_is_the_placement_slurm_makes(slurm_cluster, probe_dir, request_):
     sbatch, srun = request_
     trainer, probe = scripts(sbatch, srun)
