@@ -28,9 +28,12 @@ CPU_NB_PART = 2  # no GPU: still split in two so the pipeline is exercised
 ENGINES = ("auto", "torch-pipe", "fairscale")
 
 
-# --precision's names: fp32 (no autocast), bf16 or fp16 autocast; the trainer maps each name to its torch dtype
-# (bench_ddp_transformer.AUTOCAST_DTYPE)
+# --precision's names: fp32 (no autocast), bf16 or fp16 autocast
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+# each --precision's autocast dtype, by its name in torch (torch-free here): the trainers' autocast
+# (kit.train.options.autocast_dtype) and kit.own_model's measurement read it
+AUTOCAST_DTYPE = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
 # The stage layout (bench_stage.py): torch.distributed.pipelining's schedules, by --schedule name (the one list of
 # them: bench_stage.py's choices, and the class it builds); the multi-stage ones hold several stages per task.
@@ -81,7 +84,7 @@ class Arg:
     help: str = ""
     why: str = ""
     code: str = "bad-argument"  # the finding of a value the trainer refuses
-    checkpoint: bool = False  # a checkpoint must match it (bench_ddp_transformer.layout_of)
+    checkpoint: bool = False  # a checkpoint must match it (kit.train.checkpoint.layout_of)
     name: str = ""  # the attribute, where the flag's own would clash (--model: Training.model is the kit's dict)
 
     @property

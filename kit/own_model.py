@@ -13,7 +13,7 @@ Then the split: the page's even one, and the one balanced by FLOPs or by memory 
 part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer, recognised, is kit.memory's
 estimate itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers).
 Owns: LayerCost and the measurement. Imports: kit.advise, kit.arguments, kit.findings, kit.layer_memory, kit.memory,
-kit.plan, kit.site, kit.train.errors, kit.train.options (torch: only in this mode, never on the checker's plain path).
+kit.plan, kit.site (torch: only in this mode, never on the checker's plain path).
 """
 from __future__ import annotations
 
@@ -34,12 +34,11 @@ import torch
 import torch.nn as nn
 
 from kit.advise import GPUS, advise_layers, advise_layers_text, gpu_of
-from kit.arguments import PRECISIONS, model_args
+from kit.arguments import AUTOCAST_DTYPE, PRECISIONS, model_args
+from kit.findings import first_line
 from kit.layer_memory import estimate_peaks, kit_sizes
 from kit.memory import GIB
 from kit.plan import balanced_sizes, part_sizes
-from kit.train.errors import first_line
-from kit.train.options import AUTOCAST_DTYPE  # each --precision's autocast dtype, as the trainers run it
 
 CACHE_FORMAT = 3
 
@@ -169,7 +168,7 @@ def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch
         if key not in params:
             saved[key] = t.untyped_storage().nbytes()
         return t
-    dtype = AUTOCAST_DTYPE[precision]
+    dtype = AUTOCAST_DTYPE[precision] and getattr(torch, AUTOCAST_DTYPE[precision])  # as the trainers run it
     with FlopCounterMode(display=False) as flops:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
@@ -334,13 +333,13 @@ def layer_costs(spec: str, sample: str, use_cache: bool = True) -> list[LayerCos
 
 def kit_model(spec: str, sample: str) -> dict | None:
     """The kit's own Transformer's arguments (kit.memory's model dict, less the batch) when --model's layers are
-    bench_ddp_transformer's Encoder, its Layers (nn.TransformerEncoderLayer, or CheckpointedLayer) and its Decoder,
+    kit.train.transformer's Encoder, its Layers (nn.TransformerEncoderLayer, or CheckpointedLayer) and its Decoder,
     all of one configuration and the sample token ids; None for any other model. Built on the meta device."""
     layers, _ = build_layers(spec)
-    kinds = [(type(m).__module__.split(".")[-1], type(m).__name__) for m in layers]
-    bench, enc, dec = "bench_ddp_transformer", layers[0], layers[-1]
-    if (len(layers) < 3 or kinds[0] != (bench, "Encoder") or kinds[-1] != (bench, "Decoder")
-            or any(k not in (("transformer", "TransformerEncoderLayer"), (bench, "CheckpointedLayer"))
+    kinds = [(type(m).__module__, type(m).__name__) for m in layers]
+    kit, enc, dec = "kit.train.transformer", layers[0], layers[-1]  # the classes bench_ddp_transformer.py shows
+    if (len(layers) < 3 or kinds[0] != (kit, "Encoder") or kinds[-1] != (kit, "Decoder")
+            or any(k not in (("torch.nn.modules.transformer", "TransformerEncoderLayer"), (kit, "CheckpointedLayer"))
                    for k in kinds[1:-1])):
         return None
     x = sample_batch(sample)()

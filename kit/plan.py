@@ -52,9 +52,6 @@ def balanced_sizes(costs: Sequence[float], nb_part: int) -> list[int]:
     return sizes[::-1]
 
 
-SPLITS = ("even", "time", "memory")  # --split: the page's even split, or balanced by FLOPs or by memory
-
-
 def layer_split(nlayers: int, nb_part: int, costs: Sequence[float] | None = None, ends: bool = False) -> list[int]:
     """Layers per part of a sequence of `nlayers` layers (a user's --model): the one split the trainers run and the
     checker prints. No `costs`: the page's even split (part_sizes); with `ends` (the kit's own Transformer given
