@@ -55,13 +55,14 @@ def is_token_ids(sample: str) -> bool:
 
 
 def _kit_ends(spec: str) -> bool:
-    """Whether the user's sequence is the kit's own Transformer: bench_ddp_transformer's Encoder first and Decoder
-    last (built on the meta device: no memory; the checker's path and the trainers' see the same classes)."""
+    """Whether the user's sequence is the kit's own Transformer: kit.train.transformer's Encoder first and Decoder
+    last, the classes bench_ddp_transformer.py shows (built on the meta device: no memory; the checker's path and the
+    trainers' see the same classes)."""
     from kit import own_model
     layers, _ = own_model.build_layers(spec)
     first, last = type(layers[0]), type(layers[-1])
     return (len(layers) >= 2 and (first.__name__, last.__name__) == ("Encoder", "Decoder")
-            and first.__module__.split(".")[-1] == last.__module__.split(".")[-1] == "bench_ddp_transformer")
+            and first.__module__ == last.__module__ == "kit.train.transformer")
 
 
 def split_costs(costs: Sequence, split: str, micro: int, chunks: int, precision: str) -> list[float] | None:

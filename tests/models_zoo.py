@@ -53,13 +53,14 @@ def mlp_large_sample() -> torch.Tensor:
 
 
 def kit_transformer() -> list[nn.Module]:
-    """The kit's own model (bench_ddp_transformer.py's Encoder, Layer, Decoder) at its CPU defaults."""
-    import bench_ddp_transformer as bench
+    """The kit's own model (kit.train.transformer's Encoder, Layer, Decoder: bench_ddp_transformer.py's) at its CPU
+    defaults."""
     import kit.arguments
+    from kit.train.transformer import Decoder, Encoder, Layer
     m = kit.arguments.CPU_DEFAULTS
-    return [bench.Encoder(m["vocab_size"], m["d_model"], 0.0, m["seq_len"]),
-            *(bench.Layer(m["d_model"], m["n_head"], m["d_hid"], 0.0) for _ in range(m["nlayers"])),
-            bench.Decoder(m["d_model"], m["d_hid"])]
+    return [Encoder(m["vocab_size"], m["d_model"], 0.0, m["seq_len"]),
+            *(Layer(m["d_model"], m["n_head"], m["d_hid"], 0.0) for _ in range(m["nlayers"])),
+            Decoder(m["d_model"], m["d_hid"])]
 
 
 def not_a_sequence() -> nn.Module:
