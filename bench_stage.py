@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 import kit.arguments
 import kit.findings
 import kit.plan
+import kit.schedules
 import kit.trainer_checks
 import idr_torch
 from kit.train import options  # its optimizer_state: Stages has its own method of that name
@@ -81,15 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)
     # --model: loads, takes --sample, fills one pipeline's stages (else exit 2), before any process group
-    own = resolve_model(cfg, cfg.pp * kit.trainer_checks.stages_per_rank(cfg.schedule, cfg.virtual_stages))
+    own = resolve_model(cfg, cfg.pp * kit.schedules.stages_per_rank(cfg.schedule, cfg.virtual_stages))
     gpus = use_gpus(plan)  # torch.cuda.set_device(the task's GPU), before anything touches CUDA
     return run(cfg, cuda, "pipelining", gpus, lambda tasks: Stages(cfg, plan, cuda, tasks, own), PROG)
 
-
-
-def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """The stages a rank holds: one, or `virtual` of them looped (r, r+pp, r+2pp, ...)."""
-    return [pp_rank + k * pp for k in range(virtual)]
 
 
 class Stages(Trainer):
@@ -105,7 +101,8 @@ class Stages(Trainer):
                  own: OwnModel | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         self.cfg, self.plan, self.tasks, self.own = cfg, plan, tasks, own
-        self.pp, self.virtual = cfg.pp, kit.trainer_checks.stages_per_rank(cfg.schedule, cfg.virtual_stages)
+        self.row = kit.schedules.schedule(cfg.schedule)  # its torch class, its stages a task (kit.schedules)
+        self.pp, self.virtual = cfg.pp, self.row.stages_per_rank(cfg.virtual_stages)
         self.dp_size = idr_torch.size // self.pp
         self.nb_part = self.pp * self.virtual  # stages of one pipeline = parts of one replica
         # One GPU per task, set before the mesh (main's use_gpus): init_device_mesh sets a device only when it creates
@@ -117,7 +114,7 @@ class Stages(Trainer):
         self.device = torch.device(plan.device(0))
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", (self.dp_size, self.pp), mesh_dim_names=("dp", "pp"))
         self.pp_rank, self.dp_rank = self.mesh["pp"].get_local_rank(), self.mesh["dp"].get_local_rank()
-        self.ids = stage_ids(self.pp_rank, self.pp, self.virtual)
+        self.ids = self.row.stages(self.pp_rank, self.pp, self.virtual)
         self.first_holder, self.last_holder = 0 in self.ids, self.nb_part - 1 in self.ids
         self.stats_device = self.device
         # Build the whole replica on the CPU with the replica layout's seed and order, keep our stages: the same
@@ -166,17 +163,18 @@ class Stages(Trainer):
                     for s, m in self.modules.items()}
         stages = [pipelining.PipelineStage(self.ddp[s], s, self.nb_part, self.device,
                                            *self.example_io(pipelining, s), group=pp_group) for s in self.ids]
-        cls = getattr(pipelining, kit.arguments.SCHEDULES[self.cfg.schedule], None)
+        cls = getattr(pipelining, self.row.torch_class, None)
         if cls is None:
             raise RunError(f"--schedule {self.cfg.schedule}: this torch ({torch.__version__}) has no "
-                           f"{kit.arguments.SCHEDULES[self.cfg.schedule]}; use gpipe or 1f1b")
+                           f"{self.row.torch_class}; use gpipe or 1f1b")
         self.eval_schedule = self.forward_only_schedule(pipelining, pp_group)
         # scale_grads (the mean over micro-batches, on by default) is a schedule argument in 2.8.0 and later; 2.4.1
         # and 2.6.0 have none and their gradients are the micro-batches' sum
         self.scales_grads = "scale_grads" in inspect.signature(cls.__init__).parameters
         try:
-            self.schedule = (cls(stages[0], n_microbatches=self.cfg.chunks, loss_fn=self.loss_fn)
-                             if len(stages) == 1 else cls(stages, n_microbatches=self.cfg.chunks, loss_fn=self.loss_fn))
+            # a multi-stage schedule (the table's word: a PipelineScheduleMulti) takes the list of its stages
+            self.schedule = cls(stages if self.row.multi_stage else stages[0], n_microbatches=self.cfg.chunks,
+                                loss_fn=self.loss_fn)
         except ValueError as exc:
             raise RunError(f"--schedule {self.cfg.schedule} with --chunks {self.cfg.chunks} and --pp {self.pp}: "
                            f"{exc}") from None
@@ -202,9 +200,9 @@ class Stages(Trainer):
             return None
         stages = [pipelining.PipelineStage(self.modules[s], s, self.nb_part, self.device,
                                            *self.example_io(pipelining, s), group=pp_group) for s in self.ids]
-        if len(stages) == 1:
-            return pipelining.ScheduleGPipe(stages[0], n_microbatches=self.cfg.chunks)
-        return pipelining.ScheduleLoopedBFS(stages, n_microbatches=self.cfg.chunks)
+        one = len(stages) == 1  # fill and drain: GPipe for a stage a task, LoopedBFS for several
+        fill_drain = getattr(pipelining, kit.schedules.SCHEDULES["gpipe" if one else "loopedbfs"].torch_class)
+        return fill_drain(stages[0] if one else stages, n_microbatches=self.cfg.chunks)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, run) -> torch.Tensor | None:
         args = (x.to(self.device, non_blocking=True),) if self.first_holder else ()

@@ -34,7 +34,8 @@ try:
     from kit import site_slurm
     from kit.advise import advise_main
     from kit.allocation import check_in_step, gpus_memory_here, job_from_allocation
-    from kit.arguments import ARGS, SCRIPTS, TRAINING_FIELDS, Training, below_one_message, unknown_option
+    from kit.arguments import (ARGS, SCRIPTS, ArgumentError, Training, add_options, below_one_message, given_values,
+        set_values, unknown_option)
     from kit.checks import check_job
     from kit.findings import UsageError
     from kit.jobscript import read_sbatch
@@ -43,6 +44,9 @@ try:
 except ImportError as exc:  # copied alone: the kit is a folder (README, "On the cluster")
     sys.exit(f"check_topology.py: {exc}: copy the kit's whole folder (check_topology.py, idr_torch.py and kit/), "
              "e.g. `cp -r hybrid-kit $WORK/`")
+
+
+CHECKED = [a for a in ARGS if a.checked]  # the trainers' arguments the checker's own command line takes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,15 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "trainers' own definition: same names, ranges and defaults, docs/arguments.md)")
     train.add_argument("--layout", choices=("replica", "stage"),
                        help="plan bench_ddp_transformer.py (replica, the default) or bench_stage.py (stage)")
-    for a in ARGS:
-        if not a.checked:
-            continue
-        only = f" [{SCRIPTS[a.layouts[0]]}]" if len(a.layouts) == 1 else ""
-        if a.kind is None:
-            train.add_argument(a.flag, dest=a.dest, action="store_true", default=None, help=a.help_text() + only)
-        else:
-            train.add_argument(a.flag, dest=a.dest, metavar="{" + ",".join(a.choices) + "}" if a.choices else None,
-                               help=a.help_text() + only)
+    add_options(train, CHECKED, lambda a: f" [{SCRIPTS[a.layouts[0]]}]" if len(a.layouts) == 1 else "")
     mem = p.add_argument_group("will it fit? (the GPU's memory)")
     mem.add_argument("--gpu-mem", type=float, metavar="GiB",
                      help="memory of one GPU (default: from -C/-p, or the allocation's GPUs)")
@@ -114,19 +110,11 @@ def override(args: argparse.Namespace, t: Training) -> Training:
     """The trainer's arguments given on the checker's command line, over those of the sbatch file's trainer line,
     read with the trainers' definition (the same ranges, in the same words). They say what the line's shell
     variables hold: nothing is left unknown, and what they do not give is the trainer's default."""
-    given = False
-    for a in ARGS:
-        raw = getattr(args, a.dest, None) if a.checked else None
-        if raw is None:
-            continue
-        value, problem = a.convert(raw)
-        if problem:
-            raise UsageError(problem)
-        if a.dest in TRAINING_FIELDS:
-            setattr(t, a.dest, value)
-        else:
-            t.model[a.dest] = value
-        given = True
+    try:
+        given = given_values(args, CHECKED)
+    except ArgumentError as exc:
+        raise UsageError(str(exc)) from None
+    set_values(t, given)
     if args.layout is not None:
         t.layout = args.layout
     if given:

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""The split balanced by FLOPs (kit.own_model, kit.plan.balanced_sizes) against the time each part really takes, on
-this CPU: for three models the kit did not write for itself (tests/models_zoo.py: a convolutional stack, a residual
-MLP with uneven blocks, and the kit's own Transformer built from the page's classes), every part of the page's even
-split and of the balanced one is timed, forward and backward of one micro-batch on its real input, median of
---repeats, one thread. Target (issue 34): the balanced split's slowest part within 10 % of the mean part time.
-"by measured time" is the best split of each layer's own measured time (what a profile of the layers would give):
-how far any contiguous split can go, since a layer is not cut.
+"""The split balanced by FLOPs (kit.model's Model.sizes: the trainers' --split time) against the time each part really
+takes, on this CPU: for three models the kit did not write for itself (tests/models_zoo.py: a convolutional stack, a
+residual MLP with uneven blocks, and the kit's own Transformer built from the page's classes), every part of the
+page's even split and of the balanced one is timed, forward and backward of one micro-batch on its real input,
+median of --repeats, one thread. Target (issue 34): the balanced split's slowest part within 10 % of the mean part
+time. "by measured time" is the best split of each layer's own measured time (what a profile of the layers would
+give): how far any contiguous split can go, since a layer is not cut.
 
     python benchmarks/own_model_balance.py                 # the three models, nb_part 2 and 3
     python benchmarks/own_model_balance.py --repeats 30
@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import kit.own_model as own  # noqa: E402
-import kit.plan  # noqa: E402
 
 ZOO = str(ROOT / "tests" / "models_zoo.py")
 MODELS = {"conv stack": (f"{ZOO}:conv_stack", f"{ZOO}:conv_sample"),
@@ -41,12 +40,11 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     worst = 0.0
     for name, (spec, sample) in MODELS.items():
-        costs = own.layer_costs(spec, sample)
+        model = own.describe(spec, sample)  # its splits are the trainers' (kit.model)
         for nb_part in args.nb_part:
             layer_ms = own.layer_times(spec, sample, repeats=args.repeats)
-            splits = {"even": kit.plan.part_sizes(len(costs), nb_part),
-                      "balanced": kit.plan.balanced_sizes([c.flops for c in costs], nb_part),
-                      "by measured time": kit.plan.balanced_sizes(layer_ms, nb_part)}
+            splits = {"even": model.sizes(nb_part), "balanced": model.sizes(nb_part, "time"),
+                      "by measured time": model.sizes(nb_part, "time", times=layer_ms)}
             for kind, sizes in splits.items():
                 ms = [t * 1e3 for t in own.layer_times(spec, sample, sizes, args.repeats)]
                 ratio = max(ms) / statistics.mean(ms)

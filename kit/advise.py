@@ -1,6 +1,6 @@
 """--advise: every split that fits, ranked by the samples/s a profile predicts (or by memory without one); and a
 user's model's splits (kit.own_model --advise), ranked by a FLOPs proxy.
-Owns: the advice table. Imports: kit.arguments, kit.findings, kit.layer_memory, kit.memory, kit.plan, kit.releases,
+Owns: the advice table. Imports: kit.arguments, kit.findings, kit.layer_memory, kit.memory, kit.model, kit.releases,
 kit.site, kit.slurm, kit.speed, kit.trainer_checks.
 """
 from __future__ import annotations
@@ -9,11 +9,11 @@ import argparse
 import json
 import shlex
 
-from kit.arguments import SCRIPTS, Training, model_args, show_value
+from kit.arguments import SCRIPTS, SPLITS, Training, model_args, show_value
 from kit.findings import UsageError
-from kit.layer_memory import estimate_peaks, kit_sizes
+from kit.layer_memory import estimate_peaks
 from kit.memory import GIB, requested_arch, worst_part
-from kit.plan import balanced_sizes, part_sizes
+from kit.model import Model
 from kit.releases import torch_refusals
 from kit.site import JEAN_ZAY, gpu_memory, is_v100, node_type
 from kit.slurm import Job
@@ -229,60 +229,56 @@ def gpu_of(feature: str, gib: float | None = None) -> tuple[float, str, str]:
     return usable, f"{feature}, {source}", requested_arch(is_v100(job))[0]
 
 
-def _layer_splits(costs: list, nb_part: int, micro: int, chunks: int, precision: str,
-                  kit_model: dict | None) -> dict[tuple[int, ...], str]:
-    """The even split (the kit's plan for its own Transformer) and the splits balanced by time (FLOPs) and by memory
-    (each layer's peak): {sizes: 'even', 'time', 'memory', or several joined where they agree}."""
-    memory = [estimate_peaks([c], [1], micro, chunks, precision)[0].peak for c in costs]
-    even = (kit_sizes(kit_model["nlayers"], nb_part) if kit_model and kit_model["nlayers"] >= nb_part
-            else part_sizes(len(costs), nb_part))
-    out: dict[tuple[int, ...], str] = {}
-    for kind, sizes in (("even", even), ("time", balanced_sizes([c.flops for c in costs], nb_part)),
-                        ("memory", balanced_sizes(memory, nb_part))):
-        out[tuple(sizes)] = f"{out[tuple(sizes)]}={kind}" if tuple(sizes) in out else kind
-    return out
-
-
-def advise_layers(costs: list, gpus: int, gib: float, arch: str, global_batch: int, kit_model: dict | None = None,
+def advise_layers(model: Model, gpus: int, gib: float, arch: str, global_batch: int,
                   max_chunks: int = 32) -> list[dict]:
-    """Every split of `gpus` GPUs (nb_part x replicas, the page's layout) for a user's model, each with the first
-    option that fits in `gib` (fp32, --zero, the low precision, --activation-checkpointing, in that order; the
-    smallest if none does), ranked: those that fit first, then by a speed proxy, the samples per unit of the
-    slowest part's FLOPs: global batch / (that part's FLOPs a micro-batch x (chunks + nb_part - 1) micro-batch
-    times, the pipeline with its bubble; 4/3 of it under checkpointing, a forward again)."""
+    """Every split of `gpus` GPUs (nb_part x replicas, the page's layout) for a user's model, each --split (kit.model:
+    the sizes the trainers run) with the first option that fits in `gib` (fp32, --zero, the low precision,
+    --activation-checkpointing, in that order; the smallest if none does), ranked: those that fit first, then by a
+    speed proxy, the samples per unit of the slowest part's FLOPs: global batch / (that part's FLOPs a micro-batch x
+    (chunks + nb_part - 1) micro-batch times, the pipeline with its bubble; 4/3 of it under checkpointing, a forward
+    again). Splits that come out the same are one row ('time=memory')."""
     low = "fp16" if arch == "sm70" else "bf16"
-    rows = []
-    for nb_part in [n for n in divisors(gpus) if n <= len(costs)]:
+    rows: dict[tuple, dict] = {}
+    for nb_part in [n for n in divisors(gpus) if n <= model.nlayers]:
         replicas = gpus // nb_part
         if global_batch % replicas:
             continue
         batch = global_batch // replicas
         for chunks in ([1] if nb_part == 1 else [c for c in divisors(batch) if c <= max_chunks]):
-            micro = batch // chunks
-            for sizes, split in _layer_splits(costs, nb_part, micro, chunks, "fp32", kit_model).items():
-                rows.append(_layer_row(costs, list(sizes), split, micro, chunks, replicas, gib, arch, low,
-                                       kit_model, global_batch))
-    best = max((r["speed"] for r in rows if r["fits"] or not any(r["fits"] for r in rows)), default=1.0) or 1.0
-    for r in rows:
+            for split in SPLITS:
+                row = _layer_row(model, nb_part, split, batch // chunks, chunks, replicas, gib, arch, low,
+                                 global_batch)
+                key = (nb_part, chunks, tuple(row["sizes"]), row["precision"], row["activation_checkpointing"],
+                       row["zero"])
+                if key in rows:
+                    rows[key]["split"] += f"={split}"
+                else:
+                    rows[key] = row
+    out = list(rows.values())
+    best = max((r["speed"] for r in out if r["fits"] or not any(r["fits"] for r in out)), default=1.0) or 1.0
+    for r in out:
         r["relative_speed"] = round(r.pop("speed") / best, 3)
     # among equal speeds (the slowest part the same) the more even parts first, then fewer parts, less memory
-    return sorted(rows, key=lambda r: (not r["fits"], -r["relative_speed"], r.pop("spread"), r["nb_part"],
-                                       r["peak_gib"]))
+    return sorted(out, key=lambda r: (not r["fits"], -r["relative_speed"], r.pop("spread"), r["nb_part"],
+                                      r["peak_gib"]))
 
 
-def _layer_row(costs: list, sizes: list[int], split: str, micro: int, chunks: int, replicas: int, gib: float,
-               arch: str, low: str, kit_model: dict | None, global_batch: int) -> dict:
-    """One split's row: the first option that fits (or the smallest), its worst part's peak and the speed proxy."""
+def _layer_row(model: Model, nb_part: int, split: str, micro: int, chunks: int, replicas: int, gib: float,
+               arch: str, low: str, global_batch: int) -> dict:
+    """One split's row: the first option that fits (or the smallest), the split's sizes under it (the split by memory
+    balances that option's peaks), its worst part's peak and the speed proxy."""
     options = [(p, c, z) for c in (False, True) for p in ("fp32", low) for z in ((False, True) if replicas > 1
                                                                                  else (False,))]
     tried = []
     for precision, ckpt, zero in options:
-        peak = max(m.total for m in estimate_peaks(costs, sizes, micro, chunks, precision, replicas, zero, ckpt,
-                                                   arch=arch, kit_model=kit_model)) / GIB
-        tried.append((peak, precision, ckpt, zero))
+        sizes = model.sizes(nb_part, split, micro, chunks, precision, ckpt)
+        peak = max(m.total for m in estimate_peaks(model.costs, sizes, micro, chunks, precision, replicas, zero, ckpt,
+                                                   arch=arch, kit_model=model.kit)) / GIB
+        tried.append((peak, precision, ckpt, zero, sizes))
         if peak <= gib:
             break
-    peak, precision, ckpt, zero = tried[-1] if tried[-1][0] <= gib else min(tried)
+    peak, precision, ckpt, zero, sizes = tried[-1] if tried[-1][0] <= gib else min(tried)
+    costs = model.costs
     bounds = [sum(sizes[:p]) for p in range(len(sizes) + 1)]
     flops = [sum(c.flops for c in costs[a:b]) * micro for a, b in zip(bounds, bounds[1:])]
     slowest = max(flops)

@@ -1,8 +1,9 @@
-"""The trainers' arguments, defined once: ARGS (name, type, GPU and CPU defaults, range, help, layouts), the
-argparse both trainers build from it, and the reader of a job script's trainer line with that same parser; the
-Training a run or a check is about.
-Owns: every trainer default and range (docs/arguments.md lists them). Imports: kit.findings only.
-"""
+"""The trainers' arguments, defined once: ARGS, each Arg the whole record of its option (name, type, GPU and CPU
+defaults, range, help, layouts, its rule on a resume), the argparse both trainers build from it and the reader of a
+job script's trainer line with that same parser (the checker's and python -m kit.own_model's options are theirs);
+the Training a run or a check is about, derived from ARGS.
+Owns: every trainer default and range (docs/arguments.md lists them), RESUME_RULES. Imports: kit.findings,
+kit.schedules."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +12,11 @@ import functools
 import math
 import re
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, Iterable, NoReturn, Sequence
 
 from kit.findings import Findings, refusal_text
+from kit.schedules import MULTI_STAGE, SCHEDULES
 
 
 # Every argument of the two trainers is defined once, in ARGS: its name, type, GPU and CPU defaults, choices, range,
@@ -35,14 +37,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # (kit.train.options.autocast_dtype) and kit.own_model's measurement read it
 AUTOCAST_DTYPE = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
-# The stage layout (bench_stage.py): torch.distributed.pipelining's schedules, by --schedule name (the one list of
-# them: bench_stage.py's choices, and the class it builds); the multi-stage ones hold several stages per task.
-# Not offered: the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) split the
-# weight gradients out of the backward, which DDP's gradient hooks don't follow (ZB-V crashed with DDP here).
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
-             "loopedbfs": "ScheduleLoopedBFS"}
-
-MULTI_STAGE = ("interleaved1f1b", "loopedbfs")
+SPLITS = ("even", "time", "memory")  # --split of a --model: the even split, or balanced by FLOPs or by memory
 
 TRAINERS = {"bench_ddp_transformer.py": "replica", "bench_stage.py": "stage"}  # the script sets the layout
 
@@ -65,6 +60,18 @@ def show_value(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+# What a resume does with each argument given another value than the saved run's (never: keep the saved value while
+# the companion records the new one); each Arg names its rule (resume=), kit.train.checkpoint applies them.
+RESUME_RULES = {
+    "layout": "the parameters' shapes and their cut into parts: refused by the checkpoint's layout check",
+    "applied": "this run's value runs from its first step (one notice line lists them)",
+    "refused": "one line naming the saved value",
+    "corpus": "the data, checked as read (review counts, vocabulary), not as the option's text: a copy elsewhere is "
+              "fine",
+    "none": "not a setting of the training (files, modes)",
+}
+
+
 @dataclass(frozen=True)
 class Arg:
     """One trainer argument. `kind` converts its text (None: a switch); `gpu` and `cpu` are its defaults with a GPU
@@ -84,12 +91,25 @@ class Arg:
     help: str = ""
     why: str = ""
     code: str = "bad-argument"  # the finding of a value the trainer refuses
-    checkpoint: bool = False  # a checkpoint must match it (kit.train.checkpoint.layout_of)
+    resume: str = ""  # what --resume does with another value than the saved run's: RESUME_RULES (each Arg names one)
+    checkpoint: bool = False  # in the checkpoint's layout, which a load must match (kit.train.checkpoint.layout_of)
+    shape: bool = False  # the kit's Transformer's shape: in Training.model (the line's values), a profile's key
+    judged: bool = False  # outside the checked groups, in Training all the same: the checks read it (--save)
     name: str = ""  # the attribute, where the flag's own would clash (--model: Training.model is the kit's dict)
+
+    def __post_init__(self) -> None:
+        if self.resume not in RESUME_RULES or (self.checkpoint and self.resume != "layout"):
+            raise ValueError(f"{self.flag}: resume={self.resume!r}; each argument names its rule, one of "
+                             f"{', '.join(RESUME_RULES)} (layout where checkpoint=True)")
 
     @property
     def dest(self) -> str:
         return self.name or self.flag[2:].replace("-", "_")
+
+    @property
+    def in_training(self) -> bool:
+        """A field of Training (a checked argument, or one the checks read), or of its `model` (shape=True)."""
+        return self.checked or self.judged
 
     @property
     def cpu_default(self) -> object:
@@ -160,90 +180,109 @@ class Arg:
 ARGS = (
     # The model and the batch. GPU: big enough that the page's reason for model parallelism (activations of a deep
     # model) holds. CPU (CI, laptops): small enough for a 2-core machine to learn the synthetic task in well under a
-    # minute; no dropout there, its random masks cost as much as the matmuls of so small a model.
-    Arg("--nlayers", int, 16, 4, 1, 1024, group="model", checkpoint=True, help="Layer blocks"),
-    Arg("--d-model", int, 1024, 64, 2, 65536, group="model", checkpoint=True,
+    # minute; no dropout there, its random masks cost as much as the matmuls of so small a model. On a resume the
+    # shapes are the checkpoint's layout; the batch and its cut into micro-batches apply from the first step
+    # (samples_in_epoch keeps the place in the epoch), as does the dropout.
+    Arg("--nlayers", int, 16, 4, 1, 1024, group="model", resume="layout", checkpoint=True, help="Layer blocks"),
+    Arg("--d-model", int, 1024, 64, 2, 65536, group="model", resume="layout", checkpoint=True, shape=True,
         help="width (even, a multiple of --n-head)"),
-    Arg("--n-head", int, 16, 4, 1, 1024, group="model", checkpoint=True, help="attention heads"),
-    Arg("--d-hid", int, 4096, 128, 1, 262144, group="model", checkpoint=True, help="feed-forward width"),
-    Arg("--dropout", float, 0.1, 0.0, 0, 1, hi_open=True, group="model", why="a probability",
-        help="dropout (on the CPU its masks cost as much as the matmuls)"),
-    Arg("--seq-len", int, 256, 64, 1, 131072, group="model", checkpoint=True, help="tokens per review"),
-    Arg("--vocab-size", int, 30000, 2000, 3, 10_000_000, group="model", checkpoint=True,
+    Arg("--n-head", int, 16, 4, 1, 1024, group="model", resume="layout", checkpoint=True, shape=True,
+        help="attention heads"),
+    Arg("--d-hid", int, 4096, 128, 1, 262144, group="model", resume="layout", checkpoint=True, shape=True,
+        help="feed-forward width"),
+    Arg("--dropout", float, 0.1, 0.0, 0, 1, hi_open=True, group="model", resume="applied", shape=True,
+        why="a probability", help="dropout (on the CPU its masks cost as much as the matmuls)"),
+    Arg("--seq-len", int, 256, 64, 1, 131072, group="model", resume="layout", checkpoint=True, shape=True,
+        help="tokens per review"),
+    Arg("--vocab-size", int, 30000, 2000, 3, 10_000_000, group="model", resume="layout", checkpoint=True, shape=True,
         why="the two special tokens <pad> and <unk>, and at least one word", help="vocabulary incl. <pad>,<unk>"),
-    Arg("--chunks", int, 4, 2, 1, 4096, group="model", help="micro-batches per batch: 1 = naive model parallel"),
-    Arg("--batch-size", int, 64, 32, 1, 65536, group="model", help="samples per step per replica"),
-    # the page's closing advice: what a GPU holds
-    Arg("--precision", str, "fp32", choices=PRECISIONS, group="memory",
+    Arg("--chunks", int, 4, 2, 1, 4096, group="model", resume="applied",
+        help="micro-batches per batch: 1 = naive model parallel"),
+    Arg("--batch-size", int, 64, 32, 1, 65536, group="model", resume="applied", help="samples per step per replica"),
+    # the page's closing advice: what a GPU holds. On a resume each applies from the first step: autocast (fp16's
+    # GradScaler state is restored where both runs are fp16, else it starts afresh), checkpointing, ZeRO (the
+    # optimizer state is saved in plain AdamW's layout and loads either way)
+    Arg("--precision", str, "fp32", choices=PRECISIONS, group="memory", resume="applied",
         help="autocast: bf16 (A100, H100, CPU), or fp16 with a GradScaler (V100 has no bf16); weights stay fp32"),
-    Arg("--activation-checkpointing", None, False, group="memory",
+    Arg("--activation-checkpointing", None, False, group="memory", resume="applied",
         help="each Layer keeps only its input and recomputes the rest in backward (torch.utils.checkpoint)"),
-    Arg("--zero", None, False, group="memory", help="ZeroRedundancyOptimizer: AdamW's state sharded over the replicas"),
+    Arg("--zero", None, False, group="memory", resume="applied",
+        help="ZeroRedundancyOptimizer: AdamW's state sharded over the replicas"),
     # off by default, as the page has it (and torch since 1.12: torch.backends.cuda.matmul.allow_tf32 = False);
     # the same bytes as fp32 (the memory model has no term for it), TF32's tensor cores on compute capability >= 8.0
-    Arg("--tf32", None, False, group="memory",
+    Arg("--tf32", None, False, group="memory", resume="applied",
         help="fp32 matmuls on TF32 tensor cores (A100, H100; a V100 has none): 10-bit mantissa, fp32's range"),
-    # the replica layout's pipeline (bench_ddp_transformer.py)
-    Arg("--nb-part", int, None, lo=1, hi=MAX_GPUS_PER_NODE, layouts=("replica",), group="pipeline",
+    # the replica layout's pipeline (bench_ddp_transformer.py); nb_part is the checkpoint's cut into parts
+    Arg("--nb-part", int, None, lo=1, hi=MAX_GPUS_PER_NODE, layouts=("replica",), group="pipeline", resume="layout",
         help=f"GPUs per replica (default: the page's GPUs per node // tasks per node; CPU {CPU_NB_PART})"),
-    Arg("--engine", str, "auto", choices=ENGINES, layouts=("replica",), group="pipeline", code="bad-engine",
-        help="auto: torch-pipe on torch <= 2.3, else fairscale"),
-    Arg("--devices", gpu_indices, None, layouts=("replica",), group="pipeline",
+    Arg("--engine", str, "auto", choices=ENGINES, layouts=("replica",), group="pipeline", resume="applied",
+        code="bad-engine", help="auto: torch-pipe on torch <= 2.3, else fairscale"),
+    Arg("--devices", gpu_indices, None, layouts=("replica",), group="pipeline", resume="applied",
         help="visible GPU index of each part instead of the page's indexing; 0,0 puts both parts on one GPU "
              "(benchmarks/gpu_check.py on a one-GPU node)"),
-    # the stage layout's pipeline (bench_stage.py)
-    Arg("--pp", int, 2, lo=2, hi=1024, layouts=("stage",), group="pipeline",
+    # the stage layout's pipeline (bench_stage.py); on a resume the stages per task may change (their product with
+    # --pp, nb_part, is the checkpoint's layout)
+    Arg("--pp", int, 2, lo=2, hi=1024, layouts=("stage",), group="pipeline", resume="applied",
         why="a pipeline needs at least 2 stages; for pure data parallel use bench_ddp_transformer.py --nb-part 1",
         help="tasks per pipeline (pipelines = world size / pp)"),
-    Arg("--schedule", str, "1f1b", choices=tuple(SCHEDULES), layouts=("stage",), group="pipeline",
-        code="bad-schedule", help="torch.distributed.pipelining's schedule"),
-    Arg("--virtual-stages", int, 2, lo=1, hi=64, layouts=("stage",), group="pipeline",
+    Arg("--schedule", str, "1f1b", choices=tuple(SCHEDULES), layouts=("stage",), group="pipeline", resume="applied",
+        code="bad-schedule", help="torch.distributed.pipelining's schedule (kit/schedules.py)"),
+    Arg("--virtual-stages", int, 2, lo=1, hi=64, layouts=("stage",), group="pipeline", resume="applied",
         help=f"stages per task for {' and '.join(MULTI_STAGE)}"),
-    # the user's own model instead of the kit's Transformer (kit.own_model, kit.own_split; docs/own_model.md)
-    Arg("--model", str, group="own", name="model_spec",
+    # the user's own model instead of the kit's Transformer (kit.model, kit.own_model, kit.own_split;
+    # docs/own_model.md); on a resume another model's weights, or another cut of them, are the checkpoint's layout
+    # (layout_of's "model" and "part_sizes")
+    Arg("--model", str, group="own", resume="layout", name="model_spec",
         help="FILE.py:function or module:function returning your layers (an nn.Sequential or a list of modules) "
              "instead of the kit's Transformer"),
-    Arg("--sample", str, group="own",
+    Arg("--sample", str, group="own", resume="applied",
         help="with --model: a batch the first layer takes, FILE.py:function, or BxS for token ids (then the kit's "
              "data, if the model outputs its 2 classes' logits); default --batch-size x --seq-len"),
-    Arg("--split", str, "even", choices=("even", "time", "memory"), group="own",
+    Arg("--split", str, "even", choices=SPLITS, group="own", resume="layout",
         help="with --model: the page's even split of the layers, or balanced by FLOPs (time) or by memory"),
-    # the run
-    Arg("--epochs", int, 3, lo=1, hi=100_000),
-    Arg("--max-steps", int, 0, lo=0, hi=10**9, why="0: no limit", help="stop after this many steps in all"),
-    Arg("--untimed-steps", int, 3, lo=0, hi=10**6,
+    # the run: its length and what only times or watches it apply from a resume's first step
+    Arg("--epochs", int, 3, lo=1, hi=100_000, resume="applied"),
+    Arg("--max-steps", int, 0, lo=0, hi=10**9, resume="applied", why="0: no limit",
+        help="stop after this many steps in all"),
+    Arg("--untimed-steps", int, 3, lo=0, hi=10**6, resume="applied",
         help="first steps of each epoch left out of the samples/s (allocator, autotuning); not the lr's warmup"),
     # The learning rate: AdamW's peak rate, reached after --lr-warmup of the run's steps, then decayed (the
     # Transformer paper's and BERT's practice). Default min(2e-3, LR_TIMES_WIDTH / d_model): 1.6e-3 on the CPU
     # (d_model 64), 1e-4 at the GPU's d_model 1024. Measured on an H200 (docs/gpu.md): lr x d_model about 1 collapsed
     # to one class at every depth, 0.26 learned then slipped, 0.1 learned.
-    Arg("--lr", float, None, lo=0, hi=10, lo_open=True, why="AdamW's peak rate",
+    Arg("--lr", float, None, lo=0, hi=10, lo_open=True, resume="applied", why="AdamW's peak rate",
         help="AdamW's peak learning rate (default min(2e-3, 0.1 / d_model): 1e-4 at d_model 1024)"),
-    Arg("--lr-warmup", float, 0.05, lo=0, hi=1, hi_open=True, why="a fraction of the run's steps",
+    Arg("--lr-warmup", float, 0.05, lo=0, hi=1, hi_open=True, resume="applied", why="a fraction of the run's steps",
         help="fraction of the run's steps over which the lr rises linearly from 0 to --lr"),
-    Arg("--lr-decay", str, "cosine", choices=("cosine", "linear", "none"),
+    Arg("--lr-decay", str, "cosine", choices=("cosine", "linear", "none"), resume="applied",
         help="after the warmup: cosine or linear down to --lr / 10 at the run's last step, or none (constant)"),
     # torch.manual_seed takes [-2**63, 2**64 - 1] and maps a negative seed onto a positive one; the trainer seeds
-    # rank r with seed + 1 + r and the sampler with seed + epoch, which this range keeps valid and distinct
-    Arg("--seed", int, 1234, lo=0, hi=2**63 - 1, help="the model's initial weights, the data order, dropout"),
-    Arg("--synthetic", int, 0, lo=0, hi=10_000_000, why="0: IMDB, or 4000 synthetic reviews where there is none",
-        help="N synthetic reviews instead of IMDB"),
-    Arg("--workers", int, -1, lo=-1, hi=64, why="-1: from --cpus-per-task on a GPU, 0 on the CPU",
+    # rank r with seed + 1 + r and the sampler with seed + epoch, which this range keeps valid and distinct. A resume
+    # refuses another seed: DistributedSampler shuffles epoch e with seed + e, and a resume continues that order at
+    # the saved sample (another seed would train some samples twice and others never in the epoch in progress)
+    Arg("--seed", int, 1234, lo=0, hi=2**63 - 1, resume="refused",
+        help="the model's initial weights, the data order, dropout"),
+    Arg("--synthetic", int, 0, lo=0, hi=10_000_000, resume="corpus",
+        why="0: IMDB, or 4000 synthetic reviews where there is none", help="N synthetic reviews instead of IMDB"),
+    Arg("--workers", int, -1, lo=-1, hi=64, resume="applied", why="-1: from --cpus-per-task on a GPU, 0 on the CPU",
         help="DataLoader workers"),
-    Arg("--timeout", float, 600.0, lo=0, hi=7 * 86400, lo_open=True, why="seconds, at most a week",
+    Arg("--timeout", float, 600.0, lo=0, hi=7 * 86400, lo_open=True, resume="applied", why="seconds, at most a week",
         help="seconds before a collective with a dead rank gives up"),
-    Arg("--log-every", float, 30.0, lo=0, hi=86400, help="seconds between progress lines within an epoch"),
+    Arg("--log-every", float, 30.0, lo=0, hi=86400, resume="applied",
+        help="seconds between progress lines within an epoch"),
     # files
-    Arg("--data-dir", str, group="files",
+    Arg("--data-dir", str, group="files", resume="corpus",
         help="aclImdb/ or aclImdb_v1.tar.gz, or a folder holding one (default $DSDIR/IMDB)"),
-    Arg("--cache-dir", str, group="files", help="where the tokenised corpus is cached (default $SCRATCH, else the "
-        "data's folder if writable, else ./.cache)"),
-    Arg("--json-out", str, group="files", help="append one JSON line with the configuration and results (rank 0)"),
-    Arg("--save", str, group="files", help="write the checkpoint here after each epoch (rank 0, atomically)"),
-    Arg("--load", str, group="files", help="start from this checkpoint (every rank loads it)"),
-    Arg("--resume", None, False, group="files",
+    Arg("--cache-dir", str, group="files", resume="none", help="where the tokenised corpus is cached (default "
+        "$SCRATCH, else the data's folder if writable, else ./.cache)"),
+    Arg("--json-out", str, group="files", resume="none",
+        help="append one JSON line with the configuration and results (rank 0)"),
+    Arg("--save", str, group="files", resume="none", judged=True,
+        help="write the checkpoint here after each epoch (rank 0, atomically)"),
+    Arg("--load", str, group="files", resume="none", help="start from this checkpoint (every rank loads it)"),
+    Arg("--resume", None, False, group="files", resume="none", judged=True,
         help="start from the --save file if it exists (a requeued job continues)"),
-    Arg("--check-args", None, False, group="mode",
+    Arg("--check-args", None, False, group="mode", resume="none",
         help="check the arguments as the trainer does (this task's plan from the environment, the GPU or CPU "
              "defaults), print the verdict and exit with the trainer's status, without importing torch"),
 )
@@ -266,39 +305,32 @@ GPU_DEFAULTS = {a.dest: a.gpu for a in ARGS if a.group == "model"}
 CPU_DEFAULTS = {a.dest: a.cpu_default for a in ARGS if a.group == "model"}
 
 
-@dataclass
-class Training:
-    """A trainer's arguments as the plan and the checks use them: None where the line gives none (the GPU or CPU
-    default applies), the line's own values elsewhere."""
-    nlayers: int | None = None
-    chunks: int | None = None
-    batch_size: int | None = None
-    engine: str = ARG["engine"].gpu
-    nb_part: int | None = None
-    layout: str = "replica"
-    pp: int = ARG["pp"].gpu
-    schedule: str = ARG["schedule"].gpu
-    virtual_stages: int = ARG["virtual_stages"].gpu
-    precision: str = ARG["precision"].gpu  # fp32, bf16 or fp16 (autocast)
-    activation_checkpointing: bool = False  # per Layer, non-reentrant torch.utils.checkpoint
-    zero: bool = False  # ZeroRedundancyOptimizer over the data-parallel group
-    tf32: bool = False  # --tf32: fp32 matmuls on TF32 tensor cores (no memory term: the same bytes as fp32)
-    model: dict = field(default_factory=dict)  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
-    model_spec: str | None = None  # --model FILE.py:function: the user's layers instead of the kit's Transformer
-    sample: str | None = None  # --sample
-    split: str = "even"  # --split even|time|memory
-    devices: list[int] | None = None  # --devices: a visible GPU index per part, else the page's indexing
-    save: str | None = None  # --save PATH (checked for writing by the trainer, at start-up)
-    resume: bool = False  # --resume: start from the --save file if it exists
-    unchecked: list[str] = field(default_factory=list)  # arguments given as shell variables, as written
-    unknown: list[str] = field(default_factory=list)  # names (nlayers, chunks, ...) whose value is not known here
-
-    def known(self, *names: str) -> bool:
-        """Whether the checks may judge these arguments: no shell variable (or line the trainer refuses) hides them."""
-        return not any(n in self.unknown for n in names)
+def _known(self: "Training", *names: str) -> bool:
+    """Whether the checks may judge these arguments: no shell variable (or line the trainer refuses) hides them."""
+    return not any(n in self.unknown for n in names)
 
 
-TRAINING_FIELDS = {f.name for f in fields(Training)}
+def _training_field(a: Arg) -> tuple[str, object, object]:
+    """A's field of Training: the line's value, else None for the model's (the GPU or CPU default applies:
+    model_args), the default of the others."""
+    kind = {None: bool, int: int, float: float, str: str, gpu_indices: list}[a.kind]
+    return a.dest, kind | None, field(default=None if a.group == "model" else a.gpu)
+
+
+# A trainer's arguments as the plan and the checks use them: derived from ARGS, the arguments the checker judges
+# (Arg.in_training), each at its default (None for the model's: the line's own value, or None where the GPU or CPU
+# default applies); the kit's Transformer's shape (shape=True) in `model`, the values the line gives; the layout; and
+# what a job script's shell variables hide (`unknown`, `unchecked`).
+Training = make_dataclass("Training", [
+    *(_training_field(a) for a in ARGS if a.in_training and not a.shape),
+    ("layout", str, field(default="replica")),  # replica (bench_ddp_transformer.py) or stage (bench_stage.py)
+    ("model", dict, field(default_factory=dict)),  # d_model, n_head, d_hid, seq_len, vocab_size, dropout on the line
+    ("unchecked", list, field(default_factory=list)),  # arguments given as shell variables, as written
+    ("unknown", list, field(default_factory=list)),  # names (nlayers, chunks, ...) whose value is not known here
+], namespace={"known": _known, "__doc__": "A trainer's arguments as the plan and the checks use them (derived "
+              "from ARGS): None where the line gives a model argument none (the GPU or CPU default applies), the "
+              "line's own values elsewhere."})
+Training.__module__ = __name__
 
 
 def model_args(t: "Training", cpu: bool = False, **given: int | float | None) -> dict:
@@ -343,15 +375,37 @@ def trainer_parser(layout: str, doc: str | None = None) -> argparse.ArgumentPars
     p = _TrainerParser(prog=SCRIPTS[layout], description=(doc or "").split("\n\n")[0].strip() or None,
                        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False, add_help=False)
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
-    for a in ARGS:
-        if layout not in a.layouts:
-            continue
-        if a.kind is None:
-            p.add_argument(a.flag, dest=a.dest, action="store_true", help=a.help_text())
-        else:
-            metavar = "{" + ",".join(a.choices) + "}" if a.choices else None
-            p.add_argument(a.flag, dest=a.dest, metavar=metavar, help=a.help_text())
+    add_options(p, [a for a in ARGS if layout in a.layouts])
     return p
+
+
+def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, args: Iterable[Arg],
+                suffix: Callable[[Arg], str] | None = None) -> None:
+    """Each of `args` as an option of `parser` (a trainer's, the checker's, python -m kit.own_model's): its flag,
+    dest, choices and help (`suffix`: words added to it). Values stay text, None where not given (a switch too):
+    read_trainer_argv, or given_values, converts and checks them with the Arg's own rules."""
+    for a in args:
+        text = a.help_text() + (suffix(a) if suffix else "")
+        if a.kind is None:
+            parser.add_argument(a.flag, dest=a.dest, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(a.flag, dest=a.dest, metavar="{" + ",".join(a.choices) + "}" if a.choices else None,
+                                help=text)
+
+
+def given_values(values: argparse.Namespace, args: Iterable[Arg]) -> dict[str, object]:
+    """The values of `args` that a parser built by add_options read, converted and checked (Arg.convert), by dest;
+    those not given are left out. ArgumentError with the refusal of the first bad one."""
+    out = {}
+    for a in args:
+        raw = getattr(values, a.dest, None)
+        if raw is None:
+            continue
+        value, problem = a.convert(raw)
+        if problem:
+            raise ArgumentError(problem)
+        out[a.dest] = value
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -534,17 +588,24 @@ def resolve_defaults(values: argparse.Namespace, cuda: bool) -> argparse.Namespa
     return values
 
 
+def set_values(t: Training, values: dict[str, object], layout: str | None = None) -> Training:
+    """Put `values` (by dest) into t: each in its field, the Transformer's shape in t.model (None there: not given);
+    `layout`: only that layout's arguments. The one mapping of argument values to Training (the trainers' checks,
+    a job script's trainer line, the checker's command line)."""
+    for a in ARGS:
+        if a.dest not in values or not a.in_training or (layout and layout not in a.layouts):
+            continue
+        if a.shape:
+            if values[a.dest] is not None:
+                t.model[a.dest] = values[a.dest]
+        else:
+            setattr(t, a.dest, values[a.dest])
+    return t
+
+
 def training_from_args(values: argparse.Namespace | dict, layout: str,
                        names: Iterable[str] | None = None) -> Training:
     """The Training of a trainer's arguments (`names`: only those, the others left at Training's defaults)."""
     given = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
     names = set(given if names is None else names)
-    t = Training(layout=layout)
-    for a in ARGS:
-        if a.dest not in names or a.dest not in given or layout not in a.layouts:
-            continue
-        if a.dest in TRAINING_FIELDS:
-            setattr(t, a.dest, given[a.dest])
-        elif a.group == "model" and given[a.dest] is not None:
-            t.model[a.dest] = given[a.dest]
-    return t
+    return set_values(Training(layout=layout), {k: v for k, v in given.items() if k in names}, layout)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit.arguments import ARG, SCRIPTS, TRAINERS, TRAINING_FIELDS, Training, read_trainer_argv, training_from_args
+from kit.arguments import ARG, SCRIPTS, TRAINERS, Training, read_trainer_argv, set_values
 from kit.findings import Finding, Findings, UsageError
 from kit.releases import torch_version_of
 from kit.shell import HereDoc, PER_TASK, Ran, ShellRun, StopScript, TooComplex, UNKNOWN
@@ -406,12 +406,7 @@ def training_from_argv(argv: list[str], t: Training, where: str, findings: Findi
 
 def take_values(t: Training, values: argparse.Namespace, names: list[str]) -> None:
     """The line's values of `names` into t (the others keep what t holds)."""
-    known = training_from_args(values, t.layout, names)
-    for name in names:
-        if name in TRAINING_FIELDS:
-            setattr(t, name, getattr(known, name))
-        elif name in known.model:
-            t.model[name] = known.model[name]
+    set_values(t, {name: getattr(values, name) for name in names}, t.layout)
 
 
 def read_trainer_line(launch: "LaunchLine", script: str, where: str, job: Job, training: Training,

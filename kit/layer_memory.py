@@ -1,7 +1,7 @@
 """The per-GPU peak of a user's model (issue 34): kit.memory's terms, composed from each layer's measured figures
 (kit.own_model.LayerCost) instead of an op-by-op tape; the kit's own Transformer goes to kit.memory itself.
 Owns: estimate_peaks, the composition of layer figures into a part's step. Imports: kit.arguments, kit.memory,
-kit.plan.
+kit.plan, kit.schedules.
 
 The terms are kit.memory.PartMemory's, with its helpers (ZeRO's partition, AdamW's temporary, the allowance, the
 stage layout's schedules). A layer is known by its figures alone (no torch here): its parameters (each tensor's
@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from kit.arguments import Training
-from kit.memory import PartMemory, _add, _step_temporary, _zero_owned, allowance, estimate_memory, \
-    estimate_stage_memory, stage_actions
+from kit.memory import NotEstimated, PartMemory, _add, _step_temporary, _zero_owned, allowance, estimate_memory, \
+    estimate_stage_memory, replayed
 from kit.plan import layer_split
+from kit.schedules import most_alive, schedule
 
 LABEL_BYTES = 8  # one int64 class index a sample, on the last part (the kit's data; a synthetic batch's labels)
 
@@ -25,6 +26,15 @@ def kit_sizes(nlayers: int, nb_part: int) -> list[int]:
     """The kit's plan as sizes over the sequence Encoder, Layers, Decoder: the Encoder on the first part, the Decoder
     on the last (kit.plan.layer_split, the one split function the trainers run)."""
     return layer_split(nlayers + 2, nb_part, ends=True)
+
+
+def one_stage_a_task(t: Training) -> None:
+    """NotEstimated where the stage layout's schedule puts several stages of a --model on each task, which this
+    estimate does not model yet."""
+    stages = schedule(t.schedule).stages_per_rank(t.virtual_stages) if t.layout == "stage" else 1
+    if stages > 1:
+        raise NotEstimated(f"--schedule {t.schedule} puts {stages} stages of a --model on each task, which its "
+                           "estimate does not model yet (one stage a task: --schedule gpipe or 1f1b)")
 
 
 def estimate_peaks(costs: Sequence, sizes: Sequence[int], micro: int, chunks: int, precision: str = "fp32",
@@ -53,20 +63,16 @@ def estimate_peaks(costs: Sequence, sizes: Sequence[int], micro: int, chunks: in
     outs = [c.out_by_precision.get(precision, c.out_bytes) for c in costs]
     ins = [costs[0].saved_checkpointed, *outs[:-1]]  # per sample, in the precision the step runs
     return [_part(parts[p], p, nb_part, micro, chunks, t, owned[p] if owned else None, arch, traced,
-                  _alive(layout, schedule, nb_part, chunks, p), f"layers {bounds[p]}-{bounds[p + 1] - 1}",
+                  _alive(t, nb_part, chunks, p), f"layers {bounds[p]}-{bounds[p + 1] - 1}",
                   (ins[bounds[p]:bounds[p + 1]], outs[bounds[p]:bounds[p + 1]])) for p in range(nb_part)]
 
 
-def _alive(layout: str, schedule: str, nb_part: int, chunks: int, rank: int) -> int:
+def _alive(t: Training, nb_part: int, chunks: int, rank: int) -> int:
     """Micro-batches forwarded and not yet backwarded at once, at most: every one in the replica layout (GPipe),
-    the schedule's count in the stage layout (kit.memory.stage_actions)."""
-    if layout != "stage":
+    the schedule's count in the stage layout (kit.schedules, as kit.memory replays it)."""
+    if t.layout != "stage":
         return chunks
-    alive = most = 0
-    for kind, _ in stage_actions(schedule, nb_part, 1, chunks, rank):
-        alive += 1 if kind == "F" else -1
-        most = max(most, alive)
-    return most
+    return most_alive(replayed(t, nb_part, 1, chunks, rank))
 
 
 def _micro_batch(costs: Sequence, ins: list[float], micro: int, precision: str, ckpt: bool,

@@ -1,15 +1,15 @@
 """Memory: will a split fit? Weights, AdamW state, DDP buckets, the micro-batches in flight, activations per
 precision and checkpointing, ZeRO, per part and per stage, term by term (docs/memory.md; MemTracker holds it).
-Owns: the memory model, ARCHS (each GPU's usable memory). Imports: kit.arguments, kit.plan, kit.trainer_checks.
+Owns: the memory model, ARCHS (each GPU's usable memory). Imports: kit.arguments, kit.plan, kit.schedules.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
 
-from kit.arguments import PRECISIONS, SCHEDULES, Training
+from kit.arguments import PRECISIONS, Training
 from kit.plan import part_contents, part_sizes
-from kit.trainer_checks import stages_per_rank
+from kit.schedules import BACKWARD, FORWARD, most_alive, schedule
 
 
 # What one GPU holds at the worst moment of a training step (the peak), in bytes, from the model arguments alone,
@@ -709,34 +709,6 @@ def estimate_memory(model: dict, t: "Training", nb_part: int, replicas: int, arc
     return out
 
 
-def stage_actions(schedule: str, pp: int, virtual: int, chunks: int, rank: int) -> list[tuple[str, int]]:
-    """The forward ("F") and backward ("B") of each micro-batch that task `rank` of a pipeline runs, in order, as
-    (kind, local stage): torch.distributed.pipelining's schedules (torch/distributed/pipelining/schedules.py, 2.13):
-    GPipe runs every forward first; 1F1B warms up with min(chunks, pp - rank) forwards, then alternates a backward
-    and a forward; Interleaved1F1B warms up with (virtual - 1) * chunks-per-round + 2 * (pp - 1 - rank) forwards
-    over its stages (_get_warmup_ops, _get_1f1b_rank_ops); LoopedBFS runs each stage's forwards in turn, then the
-    backwards in reverse."""
-    if schedule == "gpipe":
-        return [("F", 0)] * chunks + [("B", 0)] * chunks
-    if schedule == "1f1b":
-        warm = min(chunks, pp - rank)
-        return [("F", 0)] * warm + [a for _ in range(chunks - warm) for a in (("B", 0), ("F", 0))] + [("B", 0)] * warm
-    if schedule == "loopedbfs":
-        return ([("F", k) for k in range(virtual) for _ in range(chunks)]
-                + [("B", k) for k in reversed(range(virtual)) for _ in range(chunks)])
-    per_round = chunks // max(1, chunks // pp)
-    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), chunks * virtual)
-    fwd = lambda op: (op // per_round) % virtual  # noqa: E731
-    bwd = lambda op: virtual - 1 - ((op - warm) // per_round) % virtual  # noqa: E731
-    out: list[tuple[str, int]] = []
-    for op in range(chunks * virtual + warm):
-        if op < chunks * virtual:
-            out.append(("F", fwd(op)))
-        if op >= warm:
-            out.append(("B", bwd(op)))
-    return out
-
-
 def _stage_static(model: dict, t: "Training", z: _Dims, s: int, stages: int, replicas: int,
                   layers: int) -> tuple[dict, int, int]:
     """A stage's weights, AdamW state (under --zero the worst rank's share over its dp group), DDP buckets, inputs
@@ -755,16 +727,17 @@ def _stage_static(model: dict, t: "Training", z: _Dims, s: int, stages: int, rep
 def estimate_stage_memory(model: dict, t: "Training", pp: int, replicas: int, arch: str = "sm80",
                           traced: bool = False, torch: tuple[int, int] | None = None) -> list[PartMemory]:
     """Per task of one pipeline of the stage layout (bench_stage.py: a task per GPU, --pp tasks a pipeline, DDP over
-    each stage's `replicas`), the bytes it holds at the peak of a step, its schedule replayed (stage_actions). Each
+    each stage's `replicas`), the bytes it holds at the peak of a step, its schedule replayed (kit.schedules). Each
     micro-batch's backward is its own autograd call there, so weight gradients are added in place after the first;
     a stage keeps each micro-batch's output until its backward (fwd_cache). The gradient of a stage's input is left
     on its receive buffer until the next step by torch 2.4 to 2.8 (_backward.py stage_backward); 2.13 and 2.14 drop
     it once sent (`val.grad = None`): releases in between, or `torch` unknown, are taken to keep it."""
     _check_model(model, t, arch)
-    virtual = stages_per_rank(t.schedule, t.virtual_stages)
-    if pp < 1 or replicas < 1 or t.schedule not in SCHEDULES or virtual < 1:
-        raise ValueError(f"need pp, replicas, virtual stages >= 1 and a schedule of {', '.join(SCHEDULES)}, got "
-                         f"pp={pp}, replicas={replicas}, schedule={t.schedule!r}, virtual={virtual}")
+    row = schedule(t.schedule)  # UnknownSchedule (a ValueError) for a name kit.schedules does not have
+    virtual = row.stages_per_rank(t.virtual_stages)
+    if pp < 1 or replicas < 1 or virtual < 1:
+        raise ValueError(f"need pp, replicas, virtual stages >= 1, got pp={pp}, replicas={replicas}, "
+                         f"schedule={t.schedule!r}, virtual={virtual}")
     m, stages = model["chunks"], pp * virtual
     z = _dims(model, t, -(-model["batch_size"] // m), arch, traced)
     sizes, contents = part_sizes(model["nlayers"], stages), part_contents(model["nlayers"], stages)
@@ -776,11 +749,21 @@ def estimate_stage_memory(model: dict, t: "Training", pp: int, replicas: int, ar
             for rank in range(pp)]
 
 
+def replayed(t: "Training", pp: int, virtual: int, chunks: int, rank: int) -> list:
+    """The actions task `rank` runs (kit.schedules), those this model replays: forwards and full backwards. A
+    backward split into its input's and its weights' halves (the zero-bubble schedules) is not modelled yet."""
+    actions = schedule(t.schedule).actions(pp, virtual, chunks, rank)
+    if any(a.kind not in (FORWARD, BACKWARD) for a in actions):
+        raise NotEstimated(f"--schedule {t.schedule} splits the backward in two (its input's gradient, then its "
+                           "weights'), which the memory model does not replay yet")
+    return actions
+
+
 def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtual: int, replicas: int, arch: str,
                 sizes: list[int], contents: list[str], retains: tuple[bool, bool]) -> PartMemory:
     """One task of the stage layout: its stages' state, then its schedule replayed, the largest moment kept."""
     E, m, stages = 4 * z.d * z.n, model["chunks"], pp * virtual
-    ids = [rank + k * pp for k in range(virtual)]
+    ids = schedule(t.schedule).stages(rank, pp, virtual)
     st, static, tmp = [], {}, 0
     for s in ids:
         one, owned, largest = _stage_static(model, t, z, s, stages, replicas, sizes[s])
@@ -793,8 +776,9 @@ def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtua
         st.append(dict(stack, mb=kept, input_grad=E if s > 0 else 0, output=E if s < stages - 1 else 0))
     size = [{key: sum(s[key].values()) for key in ("mb", "fw", "bw0", "bw1")} for s in st]
     alive, done, grads, held, held_bytes, best = [0] * virtual, [False] * virtual, 0, 0, 0, (-1, None)
-    for i, (kind, k) in enumerate(stage_actions(t.schedule, pp, virtual, m, rank)):
-        back = kind == "B"
+    actions = replayed(t, pp, virtual, m, rank)
+    for i, (kind, _, stage) in enumerate(actions):
+        k, back = ids.index(stage), kind == BACKWARD
         key = "bw1" if back and done[k] else "bw0" if back else "fw"
         mine = st[k]["grads"] if key == "bw1" else 0  # bw1 holds this stage's gradients itself
         now = held_bytes - (size[k]["mb"] if back else 0) + size[k][key] + grads - mine + held
@@ -818,16 +802,7 @@ def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtua
                "optimizer step": [(1, {"grads": grads, "transient": held + tmp})]}
     return _part_memory(rank, " | ".join(contents[s] for s in ids), static, moments,
                         dict(st[0], size={"mb": sum(st[0]["mb"].values())}),
-                        _stage_alive(t.schedule, pp, virtual, m, rank), arch, unit="task")
-
-
-def _stage_alive(schedule: str, pp: int, virtual: int, chunks: int, rank: int) -> int:
-    """The most micro-batches (of all a task's stages) alive at once: forwarded, not yet backwarded."""
-    alive = most = 0
-    for kind, _ in stage_actions(schedule, pp, virtual, chunks, rank):
-        alive += 1 if kind == "F" else -1
-        most = max(most, alive)
-    return most
+                        most_alive(actions), arch, unit="task")
 
 
 def worst_part(model: dict, t: "Training", nb_part: int, replicas: int, arch: str = "sm80",
@@ -890,8 +865,9 @@ def memory_fixes(model: dict, t: "Training", nb_part: int, replicas: int, tpn: i
     if not stage and tpn % 2 == 0 and model["nlayers"] >= 2 * nb_part:
         tries.append((f"--ntasks-per-node={tpn // 2} (nb_part {2 * nb_part}, {replicas // 2} replicas)", model, t,
                       2 * nb_part, replicas // 2))
-    if stage and t.schedule in ("gpipe", "loopedbfs") and model["chunks"] >= nb_part:
-        tries.append(("--schedule 1f1b (at most --pp micro-batches alive)", model, replace(t, schedule="1f1b"),
+    lighter = schedule(t.schedule).lighter if stage else None  # a schedule that keeps fewer micro-batches alive
+    if lighter and model["chunks"] >= nb_part:
+        tries.append((f"--schedule {lighter} (at most --pp micro-batches alive)", model, replace(t, schedule=lighter),
                       nb_part, replicas))
     if not t.zero and replicas > 1:
         tries.append(("--zero", model, replace(t, zero=True), nb_part, replicas))

@@ -6,14 +6,17 @@ a shape of token ids such as 32x128), and each layer measured without a GPU, in 
 
 The layers are built on the meta device (no memory) and run under fake tensors on the CPU (no data, no compute):
 one forward and backward per layer and precision gives its parameters, the bytes autograd saves for the backward
-(fp32, and under bf16 or fp16 autocast), its FLOPs (torch.utils.flop_counter), and the bytes of its output, which is
-what a part boundary sends. A layer that cannot run under fake tensors (data-dependent control flow) is measured by a
-real CPU forward on batches of one and two, and said. Results are cached by the model's source and the shapes.
-Then the split: the page's even one, and the one balanced by FLOPs or by memory (kit.plan.balanced_sizes); each
-part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer, recognised, is kit.memory's
-estimate itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers).
-Owns: LayerCost and the measurement. Imports: kit.advise, kit.arguments, kit.findings, kit.layer_memory, kit.memory,
-kit.plan, kit.site (torch: only in this mode, never on the checker's plain path).
+(fp32, and under bf16 or fp16 autocast), its FLOPs (torch.utils.flop_counter), and the bytes and shape of its output,
+which is what a part boundary sends. A layer that cannot run under fake tensors (data-dependent control flow) is
+measured by a real CPU forward on batches of one and two, and said. Results are cached by the model's source and the
+shapes. `describe` gives the kit.model.Model of it (the kit's Transformer recognised there), whose splits the
+trainers run; the command shows each (the page's even one, and the ones balanced by FLOPs or by memory), each
+part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer is kit.memory's estimate
+itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers). Its options
+are the trainers' own (kit.arguments), with their defaults, and a few of its own.
+Owns: the measurement (measure, layer_costs, its cache), describe, the command. Imports: kit.advise, kit.arguments,
+kit.findings, kit.layer_memory, kit.memory, kit.model, kit.schedules, kit.site, kit.trainer_checks (torch: only in
+this mode, never on the checker's plain path).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -34,40 +37,16 @@ import torch
 import torch.nn as nn
 
 from kit.advise import GPUS, advise_layers, advise_layers_text, gpu_of
-from kit.arguments import AUTOCAST_DTYPE, PRECISIONS, model_args
-from kit.findings import first_line
-from kit.layer_memory import estimate_peaks, kit_sizes
-from kit.memory import GIB
-from kit.plan import balanced_sizes, part_sizes
+from kit.arguments import (ARG, AUTOCAST_DTYPE, CPU_NB_PART, PRECISIONS, SCRIPTS, ArgumentError, Training,
+    add_options, given_values, model_args, set_values)
+from kit.findings import Findings, first_line, refusal_text
+from kit.layer_memory import estimate_peaks, one_stage_a_task
+from kit.memory import GIB, NotEstimated
+from kit.model import LayerCost, Model, ModelError, default_sample, recognise
+from kit.schedules import schedule
+from kit.trainer_checks import check_training
 
-CACHE_FORMAT = 3
-
-
-class ModelError(ValueError):
-    """The model, the sample or a layer refused: one line that names it and the fix."""
-
-
-@dataclass
-class LayerCost:
-    """One layer, per sample of the batch (activations and FLOPs grow with the batch; parameters do not)."""
-    name: str
-    params: int  # elements
-    param_bytes: int
-    flops: float  # forward + backward, per sample
-    out_bytes: float  # the output, per sample: what a part boundary sends
-    saved: dict[str, float] = field(default_factory=dict)  # bytes saved for backward per sample, by precision
-    saved_fixed: dict[str, float] = field(default_factory=dict)  # and per micro-batch whatever its size (autocast's
-    # low-precision copies of the weights): the two from runs at the sample's batch and at twice it
-    saved_checkpointed: float = 0.0  # with activation checkpointing: the layer's input alone, per sample
-    how: str = "fake"  # "fake": fake tensors; "cpu": a real forward on a batch of one (fake tensors failed)
-    tensors: list[int] = field(default_factory=list)  # elements of each parameter (ZeRO's partition, AdamW's step)
-    buffer_bytes: int = 0  # buffers (BatchNorm's running statistics), fp32 beside the weights
-    input_saved: dict[str, float] = field(default_factory=dict)  # of `saved`, the layer's input itself, per sample:
-    # on the first part that is a view of the batch, already counted there
-    output_saved: dict[str, float] = field(default_factory=dict)  # and its output itself (a ReLU's), per sample:
-    # the same storage as the next layer's input, when that one saves it too
-    out_by_precision: dict[str, float] = field(default_factory=dict)  # the output per sample in each precision (a
-    # low-precision one under autocast): the next layer's input, what checkpointing keeps of it
+CACHE_FORMAT = 4  # 4: LayerCost.out_shape
 
 
 def load_callable(spec: str, option: str) -> Callable:
@@ -205,7 +184,7 @@ def _measure_one(layer: nn.Module, xs: dict[str, tuple[torch.Tensor, torch.Tenso
                      y.numel() * y.element_size() / b, saved, fixed,
                      x.numel() * x.element_size() / b, how, [p.numel() for p in layer.parameters()],
                      sum(t.numel() * t.element_size() for t in layer.buffers()), own, out_saved,
-                     {p: o[0].numel() * o[0].element_size() / b for p, o in outs.items()})
+                     {p: o[0].numel() * o[0].element_size() / b for p, o in outs.items()}, list(y.shape[1:]))
     return cost, outs
 
 
@@ -331,53 +310,14 @@ def layer_costs(spec: str, sample: str, use_cache: bool = True) -> list[LayerCos
     return costs
 
 
-def kit_model(spec: str, sample: str) -> dict | None:
-    """The kit's own Transformer's arguments (kit.memory's model dict, less the batch) when --model's layers are
-    kit.train.transformer's Encoder, its Layers (nn.TransformerEncoderLayer, or CheckpointedLayer) and its Decoder,
-    all of one configuration and the sample token ids; None for any other model. Built on the meta device."""
+def describe(spec: str, sample: str, use_cache: bool = True) -> Model:
+    """The model of --model on --sample as the kit plans it (kit.model): its layers measured (layer_costs, cached),
+    and recognised where they are the kit's own (kit.model.recognise: built on the meta device, no memory)."""
+    costs = layer_costs(spec, sample, use_cache)
     layers, _ = build_layers(spec)
-    kinds = [(type(m).__module__, type(m).__name__) for m in layers]
-    kit, enc, dec = "kit.train.transformer", layers[0], layers[-1]  # the classes bench_ddp_transformer.py shows
-    if (len(layers) < 3 or kinds[0] != (kit, "Encoder") or kinds[-1] != (kit, "Decoder")
-            or any(k not in (("torch.nn.modules.transformer", "TransformerEncoderLayer"), (kit, "CheckpointedLayer"))
-                   for k in kinds[1:-1])):
-        return None
     x = sample_batch(sample)()
-    d, blocks = enc.embedding.embedding_dim, layers[1:-1]
-    first = blocks[0]
-    model = dict(nlayers=len(blocks), d_model=d, n_head=first.self_attn.num_heads,
-                 d_hid=first.linear1.out_features, seq_len=x.shape[-1], vocab_size=enc.embedding.num_embeddings,
-                 dropout=enc.dropout.p)
-    same = all(b.self_attn.embed_dim == d and b.self_attn.num_heads == model["n_head"] and b.self_attn.batch_first
-               and b.linear1.out_features == model["d_hid"] and b.dropout.p == model["dropout"]
-               and not b.norm_first for b in blocks)
-    head = dec.head
-    if (not same or x.dim() != 2 or x.is_floating_point() or head[0].in_features != d
-            or head[0].out_features != model["d_hid"] or head[2].out_features != 2):
-        return None
-    return model
-
-
-def part_peak(costs: Sequence[LayerCost], micro: int, alive: int, precision: str = "fp32",
-              checkpointing: bool = False) -> float:
-    """The peak of a GPU holding `costs` alone, with `alive` micro-batches of `micro` samples in flight (GPipe:
-    all of them): kit.layer_memory's estimate (weights, AdamW, gradients, DDP's bucket, the micro-batches' saved
-    tensors, precision, checkpointing, the gradients in flight, AdamW's step), without the allowance. The cost per
-    layer the split by memory balances."""
-    return float(estimate_peaks(costs, [len(costs)], micro, alive, precision, checkpointing=checkpointing)[0].peak)
-
-
-def splits(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
-           times: Sequence[float] | None = None, precision: str = "fp32", checkpointing: bool = False,
-           kit: dict | None = None) -> dict[str, list[int]]:
-    """The page's even split (the kit's own plan for the kit's Transformer: Encoder first, Decoder last), and the
-    splits balanced by time (measured `times` per layer where given, else FLOPs) and by memory (each layer's
-    peak)."""
-    memory = [part_peak([c], micro, chunks, precision, checkpointing) for c in costs]
-    even = kit_sizes(kit["nlayers"], nb_part) if kit and kit["nlayers"] >= nb_part else part_sizes(len(costs), nb_part)
-    return {"even": even,
-            "time": balanced_sizes(list(times) if times else [c.flops for c in costs], nb_part),
-            "memory": balanced_sizes(memory, nb_part)}
+    ends, kit = recognise(layers, list(x.shape), x.is_floating_point())
+    return Model(spec, sample, costs, ends, kit)
 
 
 def memory_lines(parts: Sequence, gib: float | None, gpu: str) -> list[str]:
@@ -392,12 +332,13 @@ def memory_lines(parts: Sequence, gib: float | None, gpu: str) -> list[str]:
     return lines
 
 
-def table(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
-          times: Sequence[float] | None = None, estimate: dict | None = None) -> str:
-    """The per-layer figures, then each split with its parts' FLOPs and peaks (estimate: estimate_peaks' keyword
-    arguments, and `gib`, `gpu` for the fit)."""
-    estimate = dict(estimate or {})
+def table(model: Model, nb_part: int, micro: int, chunks: int, times: Sequence[float] | None = None,
+          estimate: dict | None = None) -> str:
+    """The per-layer figures, then each split (kit.model, the trainers' own) with its parts' FLOPs and peaks
+    (estimate: estimate_peaks' keyword arguments, and `gib`, `gpu` for the fit)."""
+    estimate = dict(estimate or {}, kit_model=model.kit)
     gib, gpu = estimate.pop("gib", None), estimate.pop("gpu", "")
+    costs = model.costs
     lines = [f"{'layer':24s} {'params':>12s} {'MFLOP/sample':>13s} {'out KiB/sample':>15s} "
              f"{'saved KiB/sample fp32 / bf16 / fp16 / ckpt':>44s}  how"]
     for c in costs:
@@ -408,7 +349,7 @@ def table(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
         lines.append("measured ms per layer (fwd+bwd of the sample's batch): " + ", ".join(f"{t * 1e3:.2f}"
                                                                                          for t in times))
     precision, ckpt = estimate.get("precision", "fp32"), estimate.get("checkpointing", False)
-    for kind, sizes in splits(costs, nb_part, micro, chunks, times, precision, ckpt, estimate.get("kit_model")).items():
+    for kind, sizes in model.splits(nb_part, micro, chunks, precision, ckpt, times).items():
         peaks = estimate_peaks(costs, sizes, micro, chunks, **estimate)
         start, parts = 0, []
         for n, m in zip(sizes, peaks):
@@ -420,52 +361,71 @@ def table(costs: Sequence[LayerCost], nb_part: int, micro: int, chunks: int,
         lines += memory_lines(peaks, gib, gpu)
     lines.append(f"(FLOPs of one micro-batch of {micro}, forward and backward; the peak of each part's GPU: "
                  "kit.layer_memory, docs/own_model.md"
-                 + ("; the kit's own Transformer: kit.memory's estimate itself" if estimate.get("kit_model") else "")
-                 + ")")
+                 + ("; the kit's own Transformer: kit.memory's estimate itself" if model.kit else "") + ")")
     return "\n".join(lines)
 
 
+# The trainers' options this tool takes (their definitions in kit.arguments: the same names, ranges and defaults, a
+# GPU's where the default depends on the device: the tool plans a GPU job). The parts are --nb-part in the replica
+# layout, --pp in the stage layout, as in the trainers.
+TRAINER_OPTIONS = ("model_spec", "sample", "nb_part", "pp", "schedule", "virtual_stages", "chunks", "batch_size",
+                   "seq_len", "precision", "activation_checkpointing", "zero")
+
+
 def _arguments() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kit.own_model", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="FILE.py:function or module:function returning the layers")
-    p.add_argument("--sample", required=True, help="FILE.py:function returning a batch, or token ids BxS, e.g. 32x128")
-    p.add_argument("--nb-part", type=int, default=2)
-    p.add_argument("--chunks", type=int, default=4, help="micro-batches per batch (the page's Pipe chunks)")
+    p = argparse.ArgumentParser(prog="python -m kit.own_model", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    add_options(p.add_argument_group("the trainers' options (kit.arguments: the same ranges and defaults, a GPU's)"),
+                [ARG[name] for name in TRAINER_OPTIONS],
+                lambda a: f" [{SCRIPTS[a.layouts[0]]}]" if len(a.layouts) == 1 else "")
+    p.add_argument("--layout", choices=("replica", "stage"), default="replica",
+                   help="the trainer: replica (bench_ddp_transformer.py, --nb-part parts) or stage (bench_stage.py, "
+                        "--pp stages)")
+    p.add_argument("--replicas", type=int, default=1, help="the replicas the estimate shares --zero's states over")
     p.add_argument("--time-layers", action="store_true",
                    help="time each layer for real here (a GPU when there is one) and split by time on those times, "
                         "not on FLOPs: run it where the job runs (srun python -m kit.own_model ...)")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--zero", action="store_true", help="AdamW's states shared over the replicas")
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--layout", choices=("replica", "stage"), default="replica")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="the stage layout's schedule")
     p.add_argument("--arch", choices=GPUS, default="h100", help="the GPU (its -C feature): its usable memory and "
                    "kernels")
     p.add_argument("--gpu-mem", type=float, help="GiB of one GPU, instead of --arch's")
     p.add_argument("--advise", action="store_true", help="rank the splits of --gpus GPUs for this model")
     p.add_argument("--gpus", type=int, help="with --advise: the GPUs of the job (nb_part x replicas)")
     p.add_argument("--global-batch", type=int, help="with --advise: samples a step over all replicas (default: "
-                   "the sample's batch)")
+                   "--batch-size)")
     p.add_argument("--top", type=int, default=12, help="with --advise: the rows shown")
     p.add_argument("--json", action="store_true", help="the per-layer figures as JSON")
     p.add_argument("--no-cache", action="store_true")
     return p
 
 
-def _checked(args: argparse.Namespace) -> tuple[list[LayerCost], int]:
-    costs = layer_costs(args.model, args.sample, use_cache=not args.no_cache)
-    batch = sample_batch(args.sample)().shape[0]
-    if not 1 <= args.nb_part <= len(costs):
-        raise ModelError(f"--nb-part {args.nb_part}: the model has {len(costs)} layers; give 1 to {len(costs)}")
-    if args.chunks < 1 or batch % args.chunks:
-        raise ModelError(f"--chunks {args.chunks} must divide the sample's batch of {batch}")
+def _request(args: argparse.Namespace) -> tuple[Training, dict, int]:
+    """The trainers' options given, read and checked by the trainers' own rules (kit.arguments, kit.trainer_checks,
+    kit.schedules): the Training, the model's arguments (the GPU defaults where not given) and the parts. ModelError
+    (or ArgumentError, NotEstimated) with the one line that refuses them."""
+    given = given_values(args, [ARG[name] for name in TRAINER_OPTIONS])
+    if not given.get("model_spec"):
+        raise ModelError("--model FILE.py:function (or module:function) is needed: the layers to measure")
+    other = [ARG[d].flag for d in given if args.layout not in ARG[d].layouts]
+    if other:
+        raise ModelError(f"{', '.join(other)}: not an option of {SCRIPTS[args.layout]} (--layout {args.layout}); "
+                         "the parts are --nb-part in the replica layout, --pp in the stage layout")
+    t = set_values(Training(layout=args.layout), given)
+    m = model_args(t)
+    t.sample = t.sample or default_sample(m["batch_size"], m["seq_len"])
+    parts = t.pp if t.layout == "stage" else t.nb_part or CPU_NB_PART
+    findings = Findings()
+    check_training(parts, t, findings)
+    if t.layout == "stage":
+        schedule(t.schedule).check(parts, m["chunks"], t.virtual_stages, findings)
+    if findings.errors:
+        raise ModelError(refusal_text(findings.errors))
+    one_stage_a_task(t)  # NotEstimated where the schedule puts several stages on a task
     if args.advise and not (args.gpus and args.gpus >= 1):
         raise ModelError("--advise needs --gpus N, the GPUs of the job, e.g. --advise --gpus 8 --arch h100")
-    return costs, batch
+    return t, m, parts
 
 
-def checker_advise(args: argparse.Namespace, t: "Training") -> int:
+def checker_advise(args: argparse.Namespace, t: Training) -> int:
     """check_topology --advise with --model: advise_layers on the user's layers (not the kit's Transformer's splits),
     for each --global-batch, on the request kit.advise checks; a model that cannot be measured is one line (exit 2)."""
     from kit.advise import advise_request
@@ -478,11 +438,11 @@ def checker_advise(args: argparse.Namespace, t: "Training") -> int:
     job, gpn, gib, source, batches = advise_request(args)
     sample = t.sample or f"{max(batches)}x{model_args(t)['seq_len']}"
     try:
-        costs, kit = layer_costs(t.model_spec, sample), kit_model(t.model_spec, sample)
+        model = describe(t.model_spec, sample)
     except ModelError as exc:
         raise UsageError(str(exc)) from None
     for batch in batches:
-        rows = advise_layers(costs, job.nodes * gpn, gib, requested_arch(is_v100(job))[0], batch, kit_model=kit)
+        rows = advise_layers(model, job.nodes * gpn, gib, requested_arch(is_v100(job))[0], batch)
         print(advise_layers_text(rows, job.nodes * gpn, gib, source, batch, args.top))
     return 0
 
@@ -490,23 +450,25 @@ def checker_advise(args: argparse.Namespace, t: "Training") -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _arguments().parse_args(argv)
     try:
-        costs, batch = _checked(args)
-    except ModelError as exc:
+        t, m, parts = _request(args)
+        model = describe(t.model_spec, t.sample, use_cache=not args.no_cache)
+        model.sizes(parts)  # ModelError where the model has fewer layers than parts
+    except (ModelError, ArgumentError, NotEstimated) as exc:
         print(f"own_model: {exc}", file=sys.stderr)
         return 2
     gib, gpu, arch = gpu_of(args.arch, args.gpu_mem)
-    kit = kit_model(args.model, args.sample)
+    batch, chunks = m["batch_size"], m["chunks"]
     if args.advise:
-        rows = advise_layers(costs, args.gpus, gib, arch, args.global_batch or batch, kit_model=kit)
+        rows = advise_layers(model, args.gpus, gib, arch, args.global_batch or batch)
         print(advise_layers_text(rows, args.gpus, gib, gpu, args.global_batch or batch, args.top))
         return 0 if any(r["fits"] for r in rows) else 1
-    times = (layer_times(args.model, args.sample, device="cuda" if torch.cuda.is_available() else "cpu")
+    times = (layer_times(t.model_spec, t.sample, device="cuda" if torch.cuda.is_available() else "cpu")
              if args.time_layers else None)
-    estimate = dict(precision=args.precision, replicas=args.replicas, zero=args.zero,
-                    checkpointing=args.activation_checkpointing, layout=args.layout, arch=arch,
-                    schedule=args.schedule, kit_model=kit, gib=gib, gpu=gpu)
-    print(json.dumps([asdict(c) for c in costs], indent=1) if args.json else
-          table(costs, args.nb_part, batch // args.chunks, args.chunks, times, estimate))
+    estimate = dict(precision=t.precision, replicas=args.replicas, zero=t.zero,
+                    checkpointing=t.activation_checkpointing, layout=t.layout, arch=arch, schedule=t.schedule,
+                    gib=gib, gpu=gpu)
+    print(json.dumps([asdict(c) for c in model.costs], indent=1) if args.json else
+          table(model, parts, batch // chunks, chunks, times, estimate))
     return 0
 
 

@@ -1,11 +1,12 @@
 """What each torch release can run (engines, schedules, features) and which release a module name loads.
-Owns: TORCH_FEATURES. Imports: kit.arguments.
+Owns: TORCH_FEATURES (a schedule's own releases: kit.schedules). Imports: kit.arguments, kit.schedules.
 """
 from __future__ import annotations
 
 import re
 
 from kit.arguments import Training
+from kit.schedules import schedule
 
 
 # One table for the trainers (which refuse up front, before init_process_group) and for this checker (which judges a
@@ -21,13 +22,28 @@ TORCH_FEATURES = {
                          why="torch.distributed.pipelining first ships in 2.4",
                          fix="use bench_ddp_transformer.py (the page's layout), or module load pytorch-gpu/py3/2.4.0 "
                              "or later"),
-    # Only without a GPU (gloo): before 2.8, pipelining's _batch_p2p waited on one of the requests gloo returns for a
-    # batch (`batch_isend_irecv(ops).pop()` in 2.4.1 and 2.6.0 schedules.py; pytorch/pytorch#132644, fixed by
-    # #152938); nccl coalesces a batch into one request. The hangs measured here: docs/releases.md.
-    "gloo schedule": dict(flag="--schedule {schedule} without a GPU (gloo)", first=(2, 8), last=None,
-                          why="before 2.8 it waits forever on gloo, pytorch/pytorch#132644",
-                          fix="use --schedule gpipe on the CPU (GPUs with nccl are not affected)"),
 }
+
+# A schedule's own releases are its row of kit.schedules.SCHEDULES: `first`, the release its class ships in, and
+# `gloo_first`, the one that runs it on gloo (the CPU). Before 2.8, pipelining's _batch_p2p waited on one of the
+# requests gloo returns for a batch (`batch_isend_irecv(ops).pop()` in 2.4.1 and 2.6.0 schedules.py;
+# pytorch/pytorch#132644, fixed by #152938); nccl coalesces a batch into one request. The hangs measured here:
+# docs/releases.md.
+def schedule_features(name: str, cpu: bool) -> list[dict]:
+    """The TORCH_FEATURES-like entries of --schedule `name` beyond the stage layout's own (UnknownSchedule for a
+    name kit.schedules does not have)."""
+    row, out = schedule(name), []
+    if row.first > TORCH_FEATURES["layout stage"]["first"]:
+        first = f"{row.first[0]}.{row.first[1]}"
+        out.append(dict(flag=f"--schedule {name}", first=row.first, last=None,
+                        why=f"torch.distributed.pipelining.{row.torch_class} first ships in {first}",
+                        fix=f"use --schedule 1f1b, or module load pytorch-gpu/py3/{first}.0 or later"))
+    if cpu and row.gloo_first:
+        out.append(dict(flag=f"--schedule {name} without a GPU (gloo)", first=row.gloo_first, last=None,
+                        why=f"before {row.gloo_first[0]}.{row.gloo_first[1]} it waits forever on gloo, "
+                            "pytorch/pytorch#132644",
+                        fix="use --schedule gpipe on the CPU (GPUs with nccl are not affected)"))
+    return out
 
 
 def version_tuple(version: str) -> tuple[int, int]:
@@ -36,15 +52,14 @@ def version_tuple(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def training_features(t: Training, cpu: bool = False) -> list[str]:
-    """The TORCH_FEATURES a training request uses (cpu: no GPU, so gloo)."""
-    if t.layout == "stage":
-        return ["layout stage"] + (["gloo schedule"] if cpu and t.schedule != "gpipe" else [])
-    return ["engine torch-pipe"] if t.engine == "torch-pipe" else []
+def training_features(t: Training, cpu: bool = False) -> list[dict]:
+    """The features a training request uses (cpu: no GPU, so gloo), each as a TORCH_FEATURES entry."""
+    if t.layout != "stage":
+        return [TORCH_FEATURES["engine torch-pipe"]] if t.engine == "torch-pipe" else []
+    return [TORCH_FEATURES["layout stage"], *schedule_features(t.schedule, cpu)]
 
 
-def feature_range(name: str) -> str:
-    f = TORCH_FEATURES[name]
+def feature_range(f: dict) -> str:
     if f["first"] and f["last"]:
         return f"torch {f['first'][0]}.{f['first'][1]} to {f['last'][0]}.{f['last'][1]}"
     return f"torch >= {f['first'][0]}.{f['first'][1]}" if f["first"] else f"torch <= {f['last'][0]}.{f['last'][1]}"
@@ -54,11 +69,9 @@ def torch_refusals(version: str, t: Training, cpu: bool = False) -> list[str]:
     """One line per feature of `t` that torch `version` lacks: the flag, the releases that have it, this release,
     the fix. Empty when this release runs the request. The first refusal is enough: stage before 2.4 says only that."""
     v = version_tuple(version)
-    for name in training_features(t, cpu):
-        f = TORCH_FEATURES[name]
+    for f in training_features(t, cpu):
         if (f["first"] and v < f["first"]) or (f["last"] and v > f["last"]):
-            return [f"{f['flag'].format(schedule=t.schedule)} needs {feature_range(name)} ({f['why']}) but this is "
-                    f"torch {version}; {f['fix']}"]
+            return [f"{f['flag']} needs {feature_range(f)} ({f['why']}) but this is torch {version}; {f['fix']}"]
     return []
 
 

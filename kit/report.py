@@ -1,5 +1,5 @@
 """The report: the checker's text and --json output of a job's findings and its plan.
-Owns: Report. Imports: kit.arguments, kit.findings, kit.plan, kit.slurm, kit.trainer_checks.
+Owns: Report. Imports: kit.arguments, kit.findings, kit.plan, kit.schedules, kit.slurm, kit.trainer_checks.
 """
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from kit.arguments import Training
 from kit.findings import Findings
 from kit.plan import TaskPlan, part_contents
 from kit.slurm import Job
-from kit.trainer_checks import choice_list, stages_per_rank
+from kit.schedules import schedule
+from kit.trainer_checks import choice_list
 
 
 @dataclass
@@ -55,9 +56,9 @@ class Report:
                 gpus = ",".join(p.node_gpus) if p.node_gpus else ("cpu" if p.cpu else "-")
                 idx = ",".join(map(str, p.devices)) if p.devices else "-"
                 if t.layout == "stage" and t.pp >= 2:  # a GPU per task, holding its stage(s) of a pipeline
-                    v = stages_per_rank(t.schedule, t.virtual_stages)
-                    contents = p.own or part_contents(t.nlayers or 0, t.pp * v)  # --model: its split
-                    ids = [p.rank % t.pp + k * t.pp for k in range(v)]
+                    row = schedule(t.schedule)
+                    contents = p.own or part_contents(t.nlayers or 0, t.pp * row.stages_per_rank(t.virtual_stages))
+                    ids = row.stages(p.rank % t.pp, t.pp, t.virtual_stages)  # --model: p.own, its split
                     parts = f"{p.device(0) if p.cpu or p.devices else '?'}: " + " | ".join(
                         f"stage {s}: {contents[s]}" for s in ids) + f"  (pipeline {p.rank // t.pp})"
                 else:

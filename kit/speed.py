@@ -1,6 +1,6 @@
 """Speed: a split's step time from a measured profile (benchmarks/speed_profile.py writes it; docs/speed.md).
 Owns: PROFILE_FORMAT, SPEED_TERMS, FLOPs per sample and the GPUs' dense peaks. Imports: kit.arguments, kit.plan,
-kit.memory, kit.trainer_checks, kit.site.
+kit.memory, kit.schedules, kit.site.
 """
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import re
 from dataclasses import replace
 from typing import Callable, NoReturn
 
-from kit.arguments import ARG, SCHEDULES, Training, show_value
-from kit.memory import part_params, stage_actions
+from kit.arguments import ARG, Training, show_value
+from kit.memory import part_params
 from kit.plan import part_sizes
+from kit.schedules import BACKWARD, FORWARD, SCHEDULES, Action, depends, schedule
 from kit.site import JEAN_ZAY
-from kit.trainer_checks import stages_per_rank
 
 
 # The model behind `--advise --profile FILE`: the step time of a split, in terms a user can read, from what
 # benchmarks/speed_profile.py measured in the allocation. The pipeline is simulated op by op in each layout's own order
 # (the shape of Megatron-LM's (m + p - 1) x (t_f + t_b), Narayanan et al. 2021 sec. 2.2, but with each part's own
 # times, so unequal parts and parts that share a device come out right): GPipe's fill and drain (fairscale's and
-# torch 2.3's Pipe: every forward, then every backward), 1F1B and the interleaved schedules (stage_actions, the
+# torch 2.3's Pipe: every forward, then every backward), 1F1B and the interleaved schedules (kit.schedules, the
 # order torch.distributed.pipelining runs). Parts on different devices overlap as that order allows; parts that
 # share one (--devices 0,0, the CPU) run one after the other. To that come the engine's cost per micro-batch, DDP's
 # all-reduce where the backward does not hide it, and the optimizer. Every constant comes from the profile: none
@@ -439,10 +439,10 @@ def _part_costs(profile: dict, ctx: dict, model: dict, t: "Training", nb_part: i
     return out
 
 
-def _queues(layout: str, schedule: str, stages: int, pp: int, chunks: int, shared: bool) -> list[list[tuple]]:
+def _queues(layout: str, schedule_name: str, stages: int, pp: int, chunks: int, shared: bool) -> list[list[tuple]]:
     """Each device's (or task's) ops in the order it runs them: (kind, stage, micro-batch). The replica layout's
     Pipe runs every forward, then every backward (GPipe, clock by clock); parts that share a device share one
-    queue. The stage layout: a queue per task, torch.distributed.pipelining's order (stage_actions)."""
+    queue. The stage layout: a queue per task, torch.distributed.pipelining's order (kit.schedules)."""
     if layout == "replica":
         fwd = sorted(((i + s, s, i) for s in range(stages) for i in range(chunks)))
         bwd = sorted((((chunks - 1 - i) + (stages - 1 - s), s, i) for s in range(stages) for i in range(chunks)))
@@ -453,13 +453,11 @@ def _queues(layout: str, schedule: str, stages: int, pp: int, chunks: int, share
     virtual = stages // pp
     queues = []
     for rank in range(pp):
-        seen: dict = {}
-        ops = []
-        for kind, k in stage_actions(schedule, pp, virtual, chunks, rank):
-            stage = rank + k * pp  # bench_stage.stage_ids: rank r holds stages r, r + pp, ...
-            i = seen[kind, stage] = seen.get((kind, stage), -1) + 1
-            ops.append((kind, stage, i))
-        queues.append(ops)
+        actions = schedule(schedule_name).actions(pp, virtual, chunks, rank)
+        if any(a.kind not in (FORWARD, BACKWARD) for a in actions):  # a profile times whole backwards only
+            raise ProfileError(f"--schedule {schedule_name} splits the backward in two (its input's gradient, then "
+                               "its weights'), which the speed model does not simulate yet")
+        queues.append([(a.kind, a.stage, a.mb) for a in actions])
     return queues
 
 
@@ -477,8 +475,7 @@ def _simulate(queues: list[list[tuple]], duration: Callable[[str, int], float], 
         for q, ops in enumerate(queues):
             while heads[q] < len(ops):
                 kind, s, i = ops[heads[q]]
-                deps = ([("F", s - 1, i)] if kind == "F" and s > 0 else []) + (
-                    [("F", s, i)] + ([("B", s + 1, i)] if s < stages - 1 else []) if kind == "B" else [])
+                deps = depends(Action(kind, i, s), stages)
                 if any(d not in end for d in deps):
                     break
                 ready = max((end[d] + (delay if owner[d[1]] != q else 0.0) for d in deps), default=0.0)
@@ -581,7 +578,7 @@ def predict_speed(profile: dict, model: dict, t: "Training", nb_part: int, repli
     stage = t.layout == "stage"
     chunks, batch = model["chunks"], model["batch_size"]
     pp = nb_part if stage else 1
-    stages = nb_part * (stages_per_rank(t.schedule, t.virtual_stages) if stage else 1)
+    stages = nb_part * (schedule(t.schedule).stages_per_rank(t.virtual_stages) if stage else 1)
     micro = batch / chunks
     ctx, slower = _context(profile, tasks_per_node, threads)
     fit = _stage_fit(profile, model, t) if stage and stage_costs is None else None

@@ -1,6 +1,7 @@
 """The trainers' checks of their arguments (the same functions the checker calls, so the trainers'
 refusals are the checker's findings) and the trainers' --check-args.
-Owns: divisors, the stage layout's rules, the bubble. Imports: kit.arguments, kit.findings, kit.plan, kit.releases.
+Owns: divisors, the stage layout's rules (a schedule's own: kit.schedules), the bubble. Imports: kit.arguments,
+kit.findings, kit.plan, kit.releases, kit.schedules.
 """
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import idr_torch
-from kit.arguments import (ArgumentError, ENGINES, GPU_DEFAULTS, MULTI_STAGE, SCHEDULES, SCRIPTS, Training, model_args,
-    parse_trainer_args, resolve_defaults, training_from_args)
+from kit.arguments import (ArgumentError, ENGINES, GPU_DEFAULTS, SCRIPTS, Training, model_args, parse_trainer_args,
+    resolve_defaults, training_from_args)
 from kit.findings import Findings, refusal_text
 from kit.plan import TaskPlan, part_sizes, plan_task
 from kit.releases import torch_refusals
+from kit.schedules import SCHEDULES, UnknownSchedule, schedule
 
 
 def choice_list(values: Iterable[int]) -> str:
@@ -100,18 +102,18 @@ def check_training(nb_part: int, t: Training, findings: Findings, cpu: bool = Fa
                        "fp16 with bench_ddp_transformer.py (the replica layout)")
 
 
-def stages_per_rank(schedule: str, virtual: int) -> int:
-    return virtual if schedule in MULTI_STAGE else 1
-
-
 def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None, t: Training,
                 findings: Findings, cpu: bool = False) -> int:
     """The stage layout (bench_stage.py): a task per GPU, pipelines of --pp consecutive tasks. Returns the stages per
     pipeline (0 where the line leaves the pipelines unknown: nothing that depends on them is judged)."""
-    pp, v = t.pp, stages_per_rank(t.schedule, t.virtual_stages)
-    chunks = model_args(t, cpu)["chunks"]
-    if t.known("schedule") and t.schedule not in SCHEDULES:
-        findings.error("bad-schedule", f"--schedule {t.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    pp, chunks = t.pp, model_args(t, cpu)["chunks"]
+    try:
+        row = schedule(t.schedule)
+    except UnknownSchedule:
+        row = None
+        if t.known("schedule"):
+            findings.error("bad-schedule", f"--schedule {t.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    v = row.stages_per_rank(t.virtual_stages) if row else 1
     if not t.known("pp", "schedule", "virtual_stages"):
         return 0
     if pp < 2:
@@ -135,16 +137,9 @@ def check_stage(world: int, tasks_per_node: list[int], gpus_per_node: int | None
         findings.warn("pipeline-spans-nodes", f"--pp {pp} does not divide the {choice_list(tasks_per_node)} tasks per "
                       f"node: some pipelines cross nodes and send activations over the network at every "
                       f"micro-batch; choose --pp in {choice_list(d for d in divisors(min(tasks_per_node)) if d > 1)}")
-    if not t.known("chunks"):
+    if not t.known("chunks") or row is None:
         return pp * v
-    if t.schedule == "1f1b" and chunks < pp:
-        findings.error("chunks-below-stages", f"--schedule 1f1b needs --chunks >= the {pp} stages of a pipeline "
-                       f"(got {chunks}): try --chunks {pp * 2} or --schedule gpipe")
-    if t.schedule in MULTI_STAGE:
-        rounds = max(1, chunks // pp)
-        if chunks % rounds:
-            findings.error("chunks-not-rounds", f"--schedule {t.schedule} needs --chunks to be a multiple of "
-                           f"chunks // pp = {rounds} (got {chunks}); try --chunks {rounds * pp}")
+    row.check(pp, chunks, t.virtual_stages, findings)  # the schedule's own rules (kit.schedules)
     return pp * v
 
 

@@ -63,6 +63,18 @@ def kit_transformer() -> list[nn.Module]:
             Decoder(m["d_model"], m["d_hid"])]
 
 
+def kit_ends_mixed() -> list[nn.Module]:
+    """The kit's Encoder and Decoder (kit.train.transformer's: bench_ddp_transformer.py's) around the user's own middle
+    layers (4 residual MLP blocks of uneven widths, on each position): the even split keeps the Encoder with the first
+    part and the Decoder with the last, as the kit's own model (6 layers on 4 GPUs: [2, 1, 1, 2]); kit.memory's
+    estimate does not apply."""
+    import kit.arguments
+    from kit.train.transformer import Decoder, Encoder
+    m = kit.arguments.CPU_DEFAULTS
+    return [Encoder(m["vocab_size"], m["d_model"], 0.0, m["seq_len"]),
+            *(Residual(m["d_model"], w) for w in (1, 4, 1, 2)), Decoder(m["d_model"], m["d_hid"])]
+
+
 def not_a_sequence() -> nn.Module:
     return nn.Linear(4, 4)
 

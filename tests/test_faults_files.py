@@ -165,10 +165,13 @@ def test_a_run_through_a_link_locks_out_a_run_naming_its_target(tmp_path):
 
 # ---- settings given again on --resume: applied and said, or refused in one line ------------------------------------
 def test_every_argument_has_a_resume_rule():
-    """A new argument must be decided: applied on resume, refused, part of the layout, the corpus, or no setting."""
-    assert {a.dest for a in kit.arguments.ARGS} <= set(kit.train.checkpoint.RESUME_RULES), {a.dest for a in kit.arguments.ARGS} - set(kit.train.checkpoint.RESUME_RULES)
-    assert set(kit.train.checkpoint.RESUME_RULES.values()) <= {"layout", "applied", "refused", "corpus", "none"}
-    assert all(kit.train.checkpoint.RESUME_RULES[a.dest] == "layout" for a in kit.arguments.ARGS if a.checkpoint)
+    """A new argument must be decided (its Arg's resume=): applied on resume, refused, part of the layout, the corpus,
+    or no setting; an Arg without one is refused when kit.arguments is imported."""
+    assert set(kit.arguments.RESUME_RULES) == {"layout", "applied", "refused", "corpus", "none"}
+    assert all(a.resume in kit.arguments.RESUME_RULES for a in kit.arguments.ARGS)
+    assert all(a.resume == "layout" for a in kit.arguments.ARGS if a.checkpoint)
+    with pytest.raises(ValueError, match="--new: resume=''; each argument names its rule"):
+        kit.arguments.Arg("--new", int, 1)
 
 
 @pytest.mark.parametrize("change,needle", [

@@ -18,6 +18,7 @@ import torch
 
 import kit.arguments
 import kit.releases
+import kit.schedules
 from launch import ROOT, bench, run_tasks, srun_envs
 
 pytestmark = [pytest.mark.core, pytest.mark.multiproc]
@@ -43,7 +44,7 @@ REQUESTS = {
                            kit.arguments.Training(engine="torch-pipe"),
                            "torch-pipe"),
     **{f"stage {s}": ("bench_stage", ["--pp", "2", "--schedule", s, "--chunks", "4"],
-                      kit.arguments.Training(layout="stage", schedule=s), "stage" if V < (2, 4) else s) for s in kit.arguments.SCHEDULES},
+                      kit.arguments.Training(layout="stage", schedule=s), "stage" if V < (2, 4) else s) for s in kit.schedules.SCHEDULES},
 }
 
 

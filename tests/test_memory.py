@@ -202,38 +202,6 @@ def test_estimate_refuses_bad_input():
         kit.memory.estimate_memory(dict(model, chunks=128), kit.arguments.Training(), 2, 1)
     with pytest.raises(ValueError, match="arch 'sm99'"):
         kit.memory.estimate_memory(model, kit.arguments.Training(), 2, 1, arch="sm99")
-    with pytest.raises(ValueError, match="schedule='zb'"):
-        kit.memory.estimate_stage_memory(model, kit.arguments.Training(layout="stage", schedule="zb"), 2, 1)
-
-
-@pytest.mark.parametrize("schedule,virtual,chunks,rank,alive", [
-    ("gpipe", 1, 8, 0, 8), ("1f1b", 1, 8, 0, 4), ("1f1b", 1, 8, 3, 1), ("1f1b", 1, 2, 0, 2),
-    ("loopedbfs", 2, 4, 1, 8), ("interleaved1f1b", 2, 8, 0, 11), ("interleaved1f1b", 2, 8, 3, 5)])
-def test_stage_schedules_keep_what_torch_keeps(schedule, virtual, chunks, rank, alive):
-    """Micro-batches alive at most on a task (pp 4): 1F1B at most pp - rank, GPipe and LoopedBFS all; every
-    forward is followed by its backward, on the same stage."""
-    actions = kit.memory.stage_actions(schedule, 4, virtual, chunks, rank)
-    assert kit.memory._stage_alive(schedule, 4, virtual, chunks, rank) == alive
-    for k in range(virtual):
-        assert actions.count(("F", k)) == actions.count(("B", k)) == chunks
-
-
-@pytest.mark.parametrize("virtual,chunks", [(2, 4), (2, 8), (3, 12), (2, 2)])
-def test_interleaved_order_is_torchs(virtual, chunks):
-    """The interleaved schedule's order per task, against torch's own _get_1f1b_rank_ops (private; this release's)."""
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    if not hasattr(schedules, "_get_1f1b_rank_ops") or not hasattr(schedules, "_get_warmup_ops"):
-        pytest.skip("this torch has no _get_1f1b_rank_ops/_get_warmup_ops to compare with")
-    pp = 4
-    per_round = chunks // max(1, chunks // pp)
-    for rank in range(pp):
-        warm = schedules._get_warmup_ops(rank, virtual, per_round, pp, chunks)
-        ops = schedules._get_1f1b_rank_ops(
-            virtual, pp, warm, chunks * virtual - warm, warm, rank,
-            lambda step: ((step // per_round) % virtual) * pp + rank,
-            lambda step: (virtual - 1 - ((step - warm) // per_round) % virtual) * pp + rank)
-        theirs = [("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index // pp) for a in ops if a]
-        assert kit.memory.stage_actions("interleaved1f1b", pp, virtual, chunks, rank) == theirs
 
 
 # ---- using it before the queue: the checker ---------------------------------------------------------------

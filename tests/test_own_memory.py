@@ -13,6 +13,7 @@ import kit.advise
 import kit.arguments
 import kit.layer_memory as lm
 import kit.memory
+import kit.model
 import kit.own_model as own
 import kit.plan
 from launch import ROOT, clean_env
@@ -63,13 +64,13 @@ def test_the_kits_transformer_is_kit_memorys_estimate_to_the_byte(layout, nb_par
                                                                      ckpt, zero, arch):
     """--model of the kit's own Encoder, Layers and Decoder: recognised, its arguments recovered (the CPU defaults
     kit_transformer builds), and on the kit's own split the estimate is kit.memory's, every term to the byte."""
-    costs = own.layer_costs(*KIT)
-    model = own.kit_model(*KIT)
+    described = own.describe(*KIT)
+    costs, model = described.costs, described.kit
     cpu = kit.arguments.CPU_DEFAULTS
     assert model == dict(nlayers=cpu["nlayers"], d_model=cpu["d_model"], n_head=cpu["n_head"], d_hid=cpu["d_hid"],
                          seq_len=64, vocab_size=cpu["vocab_size"], dropout=0.0)
     sizes = lm.kit_sizes(model["nlayers"], nb_part)
-    assert own.splits(costs, nb_part, 8 // chunks, chunks, kit=model)["even"] == sizes
+    assert described.sizes(nb_part, "even", 8 // chunks, chunks) == sizes
     got = lm.estimate_peaks(costs, sizes, 8 // chunks, chunks, precision, replicas, zero, ckpt, layout, arch,
                             kit_model=model)
     t = kit_training(precision, ckpt, zero, layout, nb_part)
@@ -79,8 +80,8 @@ def test_the_kits_transformer_is_kit_memorys_estimate_to_the_byte(layout, nb_par
 
 
 def test_a_model_that_only_looks_like_the_kits_is_not_taken_for_it():
-    assert own.kit_model(*MLP) is None
-    assert own.kit_model(KIT[0], "8x32") is not None  # shorter reviews: the same model, seq_len from the sample
+    assert own.describe(*MLP).kit is None and not own.describe(*MLP).ends
+    assert own.describe(KIT[0], "8x32").kit is not None  # shorter reviews: the same model, seq_len from the sample
 
 
 MISSES = {(3, "fp32", True, 1): 0.906, (3, "fp32", True, 2): 0.928, (3, "bf16", True, 1): 0.933}
@@ -97,8 +98,8 @@ def test_the_generic_composition_of_the_kits_layers_lands_on_its_tape(nb_part, c
     temporaries, and the tape also counts what fairscale's Pipe keeps (its waiting input gradient, its worker's
     last task), which the real step of benchmarks/own_model_memory.py does not run (it measures 0.937, 0.959 in
     fp32 and 1.027, 1.012 in bf16 for those parts)."""
-    costs = own.layer_costs(*KIT)
-    model = own.kit_model(*KIT)
+    described = own.describe(*KIT)
+    costs, model = described.costs, described.kit
     sizes = lm.kit_sizes(model["nlayers"], nb_part)
     generic = lm.estimate_peaks(costs, sizes, 8 // chunks, chunks, precision, checkpointing=ckpt, arch="cpu",
                                 traced=True)
@@ -138,7 +139,7 @@ def test_advise_ranks_what_fits_first_and_the_balanced_split_best():
     split = max(m.total for m in lm.estimate_peaks(costs, kit.plan.part_sizes(10, 3), 1, 16, arch="cpu"))
     assert split < whole
     gib = (whole + split) / 2 / kit.memory.GIB
-    rows = kit.advise.advise_layers(costs, 3, gib, "cpu", 48)
+    rows = kit.advise.advise_layers(own.describe(*MLP), 3, gib, "cpu", 48)
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True) and not fits[-1] and rows[-1]["nb_part"] == 1
     best = rows[0]
@@ -175,7 +176,7 @@ def test_the_checkers_advise_ranks_the_users_model_not_the_kits():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     gib = float(r.stdout.split(" GPU(s) of ")[1].split()[0])  # the H100's usable memory, as the checker reads -C
-    expected = kit.advise.advise_layers(own.layer_costs(*MLP), 4, gib, "sm80", 16)
+    expected = kit.advise.advise_layers(own.describe(*MLP), 4, gib, "sm80", 16)
     lines = r.stdout.splitlines()
     assert lines[0].startswith("--advise for --model: 4 GPU(s) of ") and len(lines) == 5, r.stdout
     assert str(expected[0]["sizes"]) in lines[2] and "Layer" not in r.stdout, r.stdout
@@ -185,7 +186,8 @@ def test_the_checkers_advise_ranks_the_users_model_not_the_kits():
 
 
 def test_part_peak_is_the_estimate():
-    """The split by memory (and kit.own_split's) balances each layer's peak from the same estimate."""
-    costs = own.layer_costs(*MLP)
-    for c in costs:
-        assert own.part_peak([c], 4, 4, "bf16") == lm.estimate_peaks([c], [1], 4, 4, "bf16")[0].peak
+    """The split by memory (kit.model, the one the trainers run) balances each layer's peak from the same
+    estimate."""
+    model = own.describe(*MLP)
+    for c, cost in zip(model.costs, model.layer_costs("memory", 4, 4, "bf16")):
+        assert kit.model.part_peak([c], 4, 4, "bf16") == lm.estimate_peaks([c], [1], 4, 4, "bf16")[0].peak == cost

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import kit.arguments
 import kit.memory
+import kit.model
 import kit.own_model as own
 import kit.plan
 from launch import ROOT, clean_env
@@ -175,9 +176,10 @@ def test_the_split_by_time_takes_measured_times_where_given():
     assert len(times) == len(costs) and all(t > 0 for t in times)
     skewed = [1.0] * len(costs)
     skewed[0] = float(len(costs))  # the first layer as slow as all the others together
-    got = own.splits(costs, 2, 4, 4, times=skewed)
+    model = kit.model.Model(*MODELS["mlp"], costs)
+    got = model.splits(2, 4, 4, times=skewed)
     assert got["time"] == [1, len(costs) - 1] and got["even"] == kit.plan.part_sizes(len(costs), 2)
-    assert own.splits(costs, 3, 4, 4)["time"] == kit.plan.balanced_sizes([c.flops for c in costs], 3)
+    assert model.splits(3, 4, 4)["time"] == kit.plan.balanced_sizes([c.flops for c in costs], 3)
 
 
 BALANCE = {  # model -> (--model, --sample, nb_part, what the split balances): benchmarks/own_model_balance.py's cases
@@ -195,14 +197,14 @@ def test_the_balanced_split_has_its_slowest_part_within_10_percent_of_the_mean(n
     thread): the slowest is within 10 % of the mean part. A timing: the best of up to 3 rounds is held (a round
     slowed by other work is not the split's doing), and the figures of each round are in the message."""
     spec, sample, nb_part, by = BALANCE[name]
-    costs = own.layer_costs(spec, sample)
+    model = own.describe(spec, sample)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         rounds = []
         for _ in range(3):
-            cost = [c.flops for c in costs] if by == "flops" else own.layer_times(spec, sample, repeats=9)
-            sizes = kit.plan.balanced_sizes(cost, nb_part)
+            times = None if by == "flops" else own.layer_times(spec, sample, repeats=9)
+            sizes = model.sizes(nb_part, "time", times=times)  # --split time: by FLOPs, or the measured times
             times = own.layer_times(spec, sample, sizes, repeats=9)
             rounds.append((max(times) * nb_part / sum(times), sizes, [round(t * 1e3, 2) for t in times]))
             if rounds[-1][0] <= 1.10:

@@ -1,8 +1,8 @@
 """Checkpoints and resume: --save's pair (the page's model file and its companion), written atomically under a
-lock, the output files checked before training, and --resume's reading with a rule for every argument
-(RESUME_RULES). Owns: RESUME_FORMAT, ARCHITECTURE, the checkpoint's format (docs/faults.md), Saves (a run's saves).
-Imports: kit.arguments, kit.findings, kit.plan, kit.train.errors, kit.train.launch, kit.train.signals,
-kit.train.trainer.
+lock, the output files checked before training, and --resume's reading with a rule for every argument (its Arg's
+`resume`, kit.arguments.RESUME_RULES). Owns: RESUME_FORMAT, ARCHITECTURE, the checkpoint's format (docs/faults.md),
+Saves (a run's saves). Imports: kit.arguments, kit.findings, kit.plan, kit.train.errors, kit.train.launch,
+kit.train.signals, kit.train.trainer.
 """
 from __future__ import annotations
 from typing import TYPE_CHECKING
@@ -550,33 +550,6 @@ def read_resume(path: str, cfg: argparse.Namespace, nb_part: int, corpus: dict |
     return state
 
 
-# What a resume does with each argument given another value than the saved run's (never: keep the saved value while
-# the companion records the new one). tests/test_faults_checkpoint.py checks that every argument has its rule.
-#   layout:  the parameters' shapes and their cut into parts: refused by read_resume's layout check
-#   applied: this run's value runs from its first step (one notice line lists them)
-#   refused: one line naming the saved value
-#   corpus:  the data, checked as read (review counts, vocabulary), not as the option's text: a copy elsewhere is fine
-#   none:    not a setting of the training (files, modes)
-RESUME_RULES: dict[str, str] = {
-    **{a.dest: "layout" for a in kit.arguments.ARGS if a.checkpoint}, "nb_part": "layout",
-    # --model: another model's weights, or another cut of them into parts (layout_of's "model" and "part_sizes")
-    "model_spec": "layout", "split": "layout",
-    # the Pipe's and the schedule's cut of each batch, the batch (samples_in_epoch keeps the place in the epoch),
-    # the precision (autocast; fp16's GradScaler state is restored where both are fp16, else it starts afresh),
-    # ZeRO (the optimizer state is saved in plain AdamW's layout and loads either way), the stages per task (their
-    # product, nb_part, is the layout), the length of the run, and what only times or watches it
-    **dict.fromkeys(("dropout", "chunks", "batch_size", "precision", "activation_checkpointing", "zero", "engine",
-                     "devices", "pp", "schedule", "virtual_stages", "epochs", "max_steps", "untimed_steps", "lr",
-                     "lr_warmup", "lr_decay", "tf32", "sample",
-                     "workers", "timeout", "log_every"), "applied"),
-    # the data order: DistributedSampler shuffles epoch e with seed + e, and a resume continues that order at the
-    # saved sample (another seed would train some samples twice and others never in the epoch in progress)
-    "seed": "refused",
-    **dict.fromkeys(("synthetic", "data_dir"), "corpus"),
-    **dict.fromkeys(("cache_dir", "json_out", "save", "load", "resume", "check_args"), "none"),
-}
-
-
 def check_resumed_settings(path: str, cfg: argparse.Namespace, state: dict, corpus: dict) -> None:
     """Each setting this run gives another value than the saved run: refused in one line, or applied and said
     (`corpus`: what this run reads, Saves.corpus; empty: not checked)."""
@@ -598,7 +571,7 @@ def check_resumed_settings(path: str, cfg: argparse.Namespace, state: dict, corp
     changed = [f"{kit.arguments.ARG[k].flag} {_shown(getattr(cfg, k))} (saved {_shown(v)})"
                + (" (the GradScaler starts at its initial scale)" if k == "precision" and cfg.precision == "fp16"
                   else "")
-               for k, v in saved.items() if RESUME_RULES.get(k, "applied") == "applied" and k in kit.arguments.ARG
+               for k, v in saved.items() if k in kit.arguments.ARG and kit.arguments.ARG[k].resume == "applied"
                and hasattr(cfg, k) and getattr(cfg, k) != v]
     if changed:
         log(f"  settings changed since the save, applied from this run's first step: {', '.join(changed)}")

@@ -4,7 +4,8 @@ checkpointing; the data and the loss: a model that takes token ids (--sample BxS
 logits trains on the kit's data and reports accuracy, any other one runs on synthetic batches drawn like --sample
 with a stand-in loss, and the run says it measures speed, not learning.
 Owns: OwnModel, resolve_model, recompute_in_backward, the synthetic batches and loss.
-Imports: kit.arguments, kit.memory, kit.own_model, kit.own_split, kit.plan, kit.train.errors, kit.train.options.
+Imports: kit.arguments, kit.memory, kit.model, kit.own_model, kit.own_split, kit.plan, kit.train.errors,
+kit.train.options.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 import kit.arguments
 import kit.memory
 import kit.plan
-from kit.own_split import ModelPlan, default_sample, is_token_ids, plan_model
+from kit.model import default_sample, is_token_ids
+from kit.own_split import ModelPlan, plan_model
 from kit.train.errors import RunError
 from kit.train.options import device_arch, training_of
 
@@ -35,7 +37,7 @@ class OwnModel:
     plan: ModelPlan
     sample_shape: list[int]  # one sample (the sample's batch dimension dropped)
     sample_dtype: torch.dtype
-    out_shapes: list[list[int]] | None  # each layer's output per sample, from a meta run; None where that failed
+    out_shapes: list[list[int]]  # each layer's output per sample, as measured (kit.model.LayerCost.out_shape)
     kit_data: bool  # token ids in, the kit's 2 logits out: the kit's data, accuracy, learning
 
     @property
@@ -53,12 +55,12 @@ def resolve_model(cfg: argparse.Namespace, nb_part: int) -> OwnModel | None:
     cfg.sample = cfg.sample or default_sample(cfg.batch_size, cfg.seq_len)
     try:
         plan = plan_model(cfg.model_spec, cfg.sample, nb_part, cfg.split, max(1, cfg.batch_size // cfg.chunks),
-                          cfg.chunks, cfg.precision)
+                          cfg.chunks, cfg.precision, cfg.activation_checkpointing)
         x = own_model.sample_batch(cfg.sample)()
     except own_model.ModelError as exc:
         raise kit.arguments.ArgumentError(str(exc)) from None
-    shapes = meta_shapes(cfg.model_spec, x)
-    kit_data = is_token_ids(cfg.sample) and shapes is not None and shapes[-1] == [NCLASSES]
+    shapes = [c.out_shape for c in plan.model.costs]
+    kit_data = is_token_ids(cfg.sample) and plan.model.classes == NCLASSES
     if kit_data:
         cfg.seq_len = x.shape[1]  # the reviews are cut to the length the model takes
         check_vocabulary(cfg)
@@ -79,22 +81,6 @@ def check_vocabulary(cfg: argparse.Namespace) -> None:
             f"--model {cfg.model_spec}: its first embedding has {rows} rows but the kit's data gives token ids up to "
             f"--vocab-size {cfg.vocab_size}; add --vocab-size {rows} (or build the embedding with "
             f"{cfg.vocab_size} rows)")
-
-
-def meta_shapes(spec: str, x: torch.Tensor) -> list[list[int]] | None:
-    """Each layer's output shape per sample, the model built and run on the meta device (no memory, no compute);
-    None where a layer does not run there (then nothing depends on it: synthetic data, shapes inferred by torch)."""
-    from kit import own_model
-    layers, _ = own_model.build_layers(spec, device="meta")
-    t, shapes = torch.empty(x.shape, dtype=x.dtype, device="meta"), []
-    try:
-        with torch.no_grad():
-            for layer in layers:
-                t = layer(t)
-                shapes.append(list(t.shape[1:]))
-    except Exception:  # noqa: BLE001 -- any layer the meta device cannot run: the shapes are unknown, said nowhere
-        return None
-    return shapes
 
 
 def recompute_in_backward(layer: nn.Module) -> None:
@@ -156,11 +142,7 @@ def synthetic_stats(loss: torch.Tensor | None, out: torch.Tensor, y: torch.Tenso
 
 def stage_io(own: OwnModel, stage: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage `stage`'s input and output for one micro-batch (meta tensors), where torch 2.4's PipelineStage wants
-    them: from the meta run's shapes."""
-    if own.out_shapes is None:
-        raise RunError(f"--model {own.plan.spec}: its layers do not run on the meta device, so this torch's "
-                       "PipelineStage cannot be given its shapes; use torch >= 2.5 (which infers them) or the replica "
-                       "layout (bench_ddp_transformer.py)")
+    them: from the measured shapes."""
     ends = [sum(own.plan.sizes[:s + 1]) - 1 for s in range(len(own.plan.sizes))]
     out = own.out_shapes[ends[stage]]
     inp = (own.sample_shape, own.sample_dtype) if stage == 0 else (own.out_shapes[ends[stage - 1]], torch.float32)

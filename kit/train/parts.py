@@ -45,7 +45,8 @@ def own_module_list(cfg: argparse.Namespace, plan: kit.plan.TaskPlan, own: OwnMo
     if len(layers) != sum(own.plan.sizes):  # the model changed between the plan and now (a file edited meanwhile)
         raise RunError(f"--model {own.plan.spec} built {len(layers)} layers here but {sum(own.plan.sizes)} when it was "
                        "planned: the model changed during start-up; start again")
-    if cfg.activation_checkpointing:  # the kit's own model: its Layer blocks only, as CheckpointedLayer does
-        for layer in layers[1:-1] if own.plan.kit_ends else layers:
-            recompute_in_backward(layer)
+    if cfg.activation_checkpointing:  # the layers kit.model says (the kit's Encoder and Decoder never)
+        for layer, again in zip(layers, own.plan.model.recomputed()):
+            if again:
+                recompute_in_backward(layer)
     return transformer.cut(list(layers), own.plan.sizes, plan)

@@ -1,0 +1,175 @@
+"""A model as the kit plans it, whoever wrote its layers: the one place that recognises the kit's own Transformer
+(KIT_CLASSES), says a model's layers, its class count and each layer's measured costs (LayerCost), and cuts it into
+nb_part parts for every --split (even, time, memory; with or without --activation-checkpointing). The trainers
+(kit.train.own), the checker (kit.own_split), --advise (kit.advise.advise_layers) and python -m kit.own_model all
+ask Model.sizes, so the split one of them shows is the split the others run. No torch here: kit.own_model builds
+and measures the layers, this module reads their classes and attributes (the checker's path stays free of torch).
+Owns: KIT_CLASSES, ModelError, LayerCost, Model (its splits, which layers checkpointing recomputes), recognise,
+what --sample means (default_sample, is_token_ids).
+Imports: kit.arguments, kit.layer_memory, kit.plan.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kit.arguments import SPLITS
+from kit.layer_memory import estimate_peaks
+from kit.plan import layer_split
+
+# Where the kit's own Transformer's classes are defined, by class name: a --model whose first layer is the kit's
+# Encoder and whose last is its Decoder gets the page's even split (the Encoder with the first part, the Decoder with
+# the last); with the kit's Layers between them, all of one configuration, kit.memory's own estimate. When a class
+# moves to another module, this is the one line to change.
+KIT_CLASSES = {"Encoder": "kit.train.transformer", "Decoder": "kit.train.transformer",
+               "TransformerEncoderLayer": "torch.nn.modules.transformer", "CheckpointedLayer": "kit.train.transformer"}
+
+KIT_LAYERS = ("TransformerEncoderLayer", "CheckpointedLayer")  # the kit's Layer block, plain or checkpointed
+
+
+class ModelError(ValueError):
+    """The model, the sample or a layer refused: one line that names it and the fix."""
+
+
+@dataclass
+class LayerCost:
+    """One layer, per sample of the batch (activations and FLOPs grow with the batch; parameters do not), as
+    kit.own_model measures it."""
+    name: str
+    params: int  # elements
+    param_bytes: int
+    flops: float  # forward + backward, per sample
+    out_bytes: float  # the output, per sample: what a part boundary sends
+    saved: dict[str, float] = field(default_factory=dict)  # bytes saved for backward per sample, by precision
+    saved_fixed: dict[str, float] = field(default_factory=dict)  # and per micro-batch whatever its size (autocast's
+    # low-precision copies of the weights): the two from runs at the sample's batch and at twice it
+    saved_checkpointed: float = 0.0  # with activation checkpointing: the layer's input alone, per sample
+    how: str = "fake"  # "fake": fake tensors; "cpu": a real forward on a batch of one (fake tensors failed)
+    tensors: list[int] = field(default_factory=list)  # elements of each parameter (ZeRO's partition, AdamW's step)
+    buffer_bytes: int = 0  # buffers (BatchNorm's running statistics), fp32 beside the weights
+    input_saved: dict[str, float] = field(default_factory=dict)  # of `saved`, the layer's input itself, per sample:
+    # on the first part that is a view of the batch, already counted there
+    output_saved: dict[str, float] = field(default_factory=dict)  # and its output itself (a ReLU's), per sample:
+    # the same storage as the next layer's input, when that one saves it too
+    out_by_precision: dict[str, float] = field(default_factory=dict)  # the output per sample in each precision (a
+    # low-precision one under autocast): the next layer's input, what checkpointing keeps of it
+    out_shape: list[int] = field(default_factory=list)  # the output's shape per sample (a stage's send, the classes)
+
+
+def default_sample(batch_size: int, seq_len: int) -> str:
+    """--sample where the line gives none: token ids of the kit's batch and review length."""
+    return f"{batch_size}x{seq_len}"
+
+
+def is_token_ids(sample: str) -> bool:
+    """--sample BxS: a shape of token ids (the kit's data), not FILE.py:function."""
+    return re.fullmatch(r"\d+x\d+", sample) is not None
+
+
+def is_kit_class(layer: object, name: str) -> bool:
+    """Whether `layer` is an instance of the kit's class `name` (KIT_CLASSES), by its class's name and module (the
+    module found under a package too: kit_copy.kit.train.transformer)."""
+    cls, home = type(layer), KIT_CLASSES[name]
+    return cls.__name__ == name and (cls.__module__ == home or cls.__module__.endswith("." + home))
+
+
+def recognise(layers: Sequence[object], sample_shape: Sequence[int], sample_float: bool) -> tuple[bool, dict | None]:
+    """(ends, kit) of a sequence of layers built by kit.own_model: `ends`, the first layer the kit's Encoder and the
+    last its Decoder; `kit`, the kit's own Transformer's arguments (kit.memory's model dict less the batch) when the
+    layers between are the kit's Layers, all of one configuration, and the sample token ids (batch x seq_len), else
+    None. The layers are read by their attributes, as the kit builds them."""
+    ends = len(layers) >= 2 and is_kit_class(layers[0], "Encoder") and is_kit_class(layers[-1], "Decoder")
+    blocks = list(layers[1:-1])
+    if not ends or not blocks or not all(any(is_kit_class(b, k) for k in KIT_LAYERS) for b in blocks):
+        return ends, None
+    enc, head, first = layers[0], layers[-1].head, blocks[0]
+    d = enc.embedding.embedding_dim
+    model = dict(nlayers=len(blocks), d_model=d, n_head=first.self_attn.num_heads,
+                 d_hid=first.linear1.out_features, seq_len=sample_shape[-1], vocab_size=enc.embedding.num_embeddings,
+                 dropout=enc.dropout.p)
+    same = all(b.self_attn.embed_dim == d and b.self_attn.num_heads == model["n_head"] and b.self_attn.batch_first
+               and b.linear1.out_features == model["d_hid"] and b.dropout.p == model["dropout"]
+               and not b.norm_first for b in blocks)
+    if (not same or len(sample_shape) != 2 or sample_float or head[0].in_features != d
+            or head[0].out_features != model["d_hid"] or head[2].out_features != 2):
+        return ends, None
+    return ends, model
+
+
+def part_peak(costs: Sequence[LayerCost], micro: int, alive: int, precision: str = "fp32",
+              checkpointing: bool = False) -> float:
+    """The peak of a GPU holding `costs` alone, with `alive` micro-batches of `micro` samples in flight (GPipe:
+    all of them): kit.layer_memory's estimate (weights, AdamW, gradients, DDP's bucket, the micro-batches' saved
+    tensors, precision, checkpointing, the gradients in flight, AdamW's step), without the allowance. The cost per
+    layer the split by memory balances."""
+    return float(estimate_peaks(costs, [len(costs)], micro, alive, precision, checkpointing=checkpointing)[0].peak)
+
+
+@dataclass
+class Model:
+    """A sequence of layers as the kit plans it: --model's (or the kit's own Transformer given through it), measured
+    on --sample. Its splits are the one definition the trainers run and every tool shows."""
+    spec: str  # --model
+    sample: str  # --sample
+    costs: list[LayerCost] = field(repr=False)
+    ends: bool = False  # the kit's Encoder first and its Decoder last (recognise)
+    kit: dict | None = None  # the kit's whole Transformer: its arguments (kit.memory's estimate applies to it)
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.costs]
+
+    @property
+    def nlayers(self) -> int:
+        return len(self.costs)
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward and backward, all layers (kit.own_model's FLOP counter)."""
+        return sum(c.flops for c in self.costs)
+
+    @property
+    def classes(self) -> int | None:
+        """The classes the model scores: its last layer's output per sample where that is one number of logits."""
+        shape = self.costs[-1].out_shape if self.costs else []
+        return shape[0] if len(shape) == 1 else None
+
+    def recomputed(self) -> list[bool]:
+        """Which layers --activation-checkpointing recomputes in the backward: every one, but for the kit's Encoder
+        and Decoder, which the kit's own model never checkpoints (its Layer blocks only)."""
+        return [not (self.ends and i in (0, self.nlayers - 1)) for i in range(self.nlayers)]
+
+    def layer_costs(self, split: str, micro: int = 1, chunks: int = 1, precision: str = "fp32",
+                    checkpointing: bool = False, times: Sequence[float] | None = None) -> list[float] | None:
+        """The cost per layer that --split balances: None for even, the FLOPs (or the measured `times`) for time,
+        for memory each layer's peak alone with `chunks` micro-batches of `micro` samples in flight, in that
+        precision, recomputed where --activation-checkpointing recomputes it (part_peak)."""
+        if split == "even":
+            return None
+        if split == "time":
+            return list(times) if times else [c.flops for c in self.costs]
+        if split == "memory":
+            return [part_peak([c], micro, chunks, precision, checkpointing and again)
+                    for c, again in zip(self.costs, self.recomputed())]
+        raise ModelError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
+
+    def sizes(self, nb_part: int, split: str = "even", micro: int = 1, chunks: int = 1, precision: str = "fp32",
+              checkpointing: bool = False, times: Sequence[float] | None = None) -> list[int]:
+        """Layers per part of the split (kit.plan.layer_split): the page's even split (the kit's Encoder with the
+        first part and its Decoder with the last, where there are layers enough between them for every part), or
+        the one balanced by layer_costs. ModelError where the model has fewer layers than parts."""
+        if not 1 <= nb_part <= self.nlayers:
+            raise ModelError(
+                f"--model {self.spec} has {self.nlayers} layer(s), fewer than the {nb_part} parts of the split: each "
+                f"part needs one layer at least; use {self.nlayers} parts or fewer (--nb-part, or --pp in the stage "
+                "layout), or return the model as finer layers")
+        costs = self.layer_costs(split, micro, chunks, precision, checkpointing, times)
+        return layer_split(self.nlayers, nb_part, costs, ends=self.ends and self.nlayers - 2 >= nb_part)
+
+    def splits(self, nb_part: int, micro: int = 1, chunks: int = 1, precision: str = "fp32",
+               checkpointing: bool = False, times: Sequence[float] | None = None) -> dict[str, list[int]]:
+        """Every --split's sizes, by name."""
+        return {split: self.sizes(nb_part, split, micro, chunks, precision, checkpointing, times)
+                for split in SPLITS}
+
