@@ -38,7 +38,6 @@ import os  # noqa: E402
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import kit.arguments
@@ -47,15 +46,17 @@ import kit.plan
 import kit.schedules
 import kit.trainer_checks
 import idr_torch
-import bench_ddp_transformer as bench  # the page's model and step: this layout's too
-from kit.train import loop, options  # their divergence and optimizer_state: Stages has its own methods of those names
+from kit.train import options  # its optimizer_state: Stages has its own method of that name
 from kit.train.errors import RunError, cli
-from kit.train.launch import HOST_GROUP, Watchdog  # shared: a rank blocked in a pipelining receive waits forever
-from kit.train.loop import fingerprint
+from kit.train.launch import Tasks, Watchdog  # shared: a rank blocked in a pipelining receive waits forever
 from kit.train.options import make_optimizer, memory_estimate, options_text
-from kit.train.own import (OwnModel, own_memory_estimate, own_parts, resolve_model, stage_io, synthetic_loss,
-    synthetic_stats)
-from kit.train.setup import cpu_placement, resolve, task_plan, verdict
+from kit.train.own import OwnModel, own_memory_estimate, resolve_model, stage_io
+from kit.train.parts import model_parts
+from kit.train.run import run
+from kit.train.setup import cpu_placement, resolve, task_plan, use_gpus, verdict
+from kit.train.trainer import Trainer, divergence, fingerprint, step_functions
+
+PROG = "bench_stage"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,23 +83,23 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(cfg, cuda)
     # --model: loads, takes --sample, fills one pipeline's stages (else exit 2), before any process group
     own = resolve_model(cfg, cfg.pp * kit.schedules.stages_per_rank(cfg.schedule, cfg.virtual_stages))
-    bench.use_gpus(plan)  # torch.cuda.set_device(the task's GPU), before anything touches CUDA
-    return bench.run(cfg, cuda, "pipelining", lambda: Stages(cfg, plan, cuda, own))
+    gpus = use_gpus(plan)  # torch.cuda.set_device(the task's GPU), before anything touches CUDA
+    return run(cfg, cuda, "pipelining", gpus, lambda tasks: Stages(cfg, plan, cuda, tasks, own), PROG)
 
 
-
-class Stages:  # a Trainer
+class Stages(Trainer):
     """Beyond the page: one task per GPU, torch.distributed.pipelining (PipelineStage + a schedule) across the
     `pp` tasks of a pipeline, DDP across the dp pipelines over each stage's group: a 2-D mesh (dp, pp) as in
-    torchtitan. Consecutive ranks form a pipeline, so its stages stay on one node when tasks per node allow."""
+    torchtitan. Consecutive ranks form a pipeline, so its stages stay on one node when tasks per node allow.
+    `tasks`: the run's (kit.train.launch.init_distributed), whose CPU-side group gathers the checkpoint."""
     name = "stage"
     engine = "pipelining"
     equal_batches = True  # the schedules want every batch the same size
 
-    def __init__(self, cfg: argparse.Namespace, plan: kit.plan.TaskPlan, cuda: bool,
+    def __init__(self, cfg: argparse.Namespace, plan: kit.plan.TaskPlan, cuda: bool, tasks: Tasks,
                  own: OwnModel | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        self.cfg, self.plan, self.own = cfg, plan, own
+        self.cfg, self.plan, self.tasks, self.own = cfg, plan, tasks, own
         self.row = kit.schedules.schedule(cfg.schedule)  # its torch class, its stages a task (kit.schedules)
         self.pp, self.virtual = cfg.pp, self.row.stages_per_rank(cfg.virtual_stages)
         self.dp_size = idr_torch.size // self.pp
@@ -117,12 +118,10 @@ class Stages:  # a Trainer
         self.stats_device = self.device
         # Build the whole replica on the CPU with the replica layout's seed and order, keep our stages: the same
         # initial weights as bench_ddp_transformer.py, and the same state_dict keys.
-        torch.manual_seed(cfg.seed)
         cpu_plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, self.nb_part)
-        # --model: the user's layers cut by the checker's split (kit.train.own), a stage a part
-        module_list = own_parts(cfg, cpu_plan, own) if own else bench.build_module_list(cfg, cpu_plan)
-        self.loss_fn, self.stats_fn = ((loss_fn, bench.step_stats) if own is None or own.kit_data
-                                       else (synthetic_loss, synthetic_stats))
+        # --model: the user's layers cut by the checker's split (kit.train.parts), a stage a part
+        module_list = model_parts(cfg, cpu_plan, own)
+        self.loss_fn, self.stats_fn = step_functions(own)
         self.param_counts = [len(list(m.parameters())) for m in module_list]
         self.total_params = sum(p.numel() for m in module_list for p in m.parameters())
         self.modules = {s: module_list[s].to(self.device) for s in self.ids}
@@ -209,9 +208,12 @@ class Stages:  # a Trainer
         target = y.to(self.device, non_blocking=True) if self.last_holder else None
         return run(*args, target=target, losses=self._losses) if self.last_holder else run(*args)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=True)
+    def all_optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self.optimizers.values())
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The schedule's step over the micro-batches: inputs to the first stage only, the loss and accuracy from the
+        last (zeros elsewhere)."""
         self._losses: list[torch.Tensor] = []
         out = self._run(x, y, self.schedule.step)
         if not self.scales_grads:  # the micro-batches' gradients were added up: make them their mean
@@ -219,10 +221,6 @@ class Stages:  # a Trainer
                 for p in m.parameters():
                     if p.grad is not None:
                         p.grad.div_(self.cfg.chunks)
-        for opt in self.optimizers.values():
-            opt.step()
-        self.steps += 1
-        self.watchdog.tick(self.steps)
         if not self.last_holder:  # inputs go to the first stage only; loss and accuracy live on the last
             return torch.zeros(3, device=self.device)
         y = y.to(self.device, non_blocking=True)
@@ -246,12 +244,6 @@ class Stages:  # a Trainer
         y = y.to(self.device, non_blocking=True)
         return self.stats_fn(None, out, y)
 
-    def set_lr(self, lr: float) -> None:
-        """As Replica.set_lr, in every stage's optimizer."""
-        for opt in self.optimizers.values():
-            for group in opt.param_groups:
-                group["lr"] = lr
-
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -268,7 +260,7 @@ class Stages:  # a Trainer
         mine = {s: ({k: v.cpu() for k, v in m.state_dict().items()}, optimizers[s])
                 for s, m in self.modules.items()} if self.dp_rank == 0 else {}
         everyone: list | None = [None] * dist.get_world_size() if idr_torch.rank == 0 else None
-        dist.gather_object(mine, everyone, dst=0, group=HOST_GROUP[0])
+        dist.gather_object(mine, everyone, dst=0, group=self.tasks.host_group)
         if everyone is None:
             return None
         by_stage = {s: v for d in everyone for s, v in d.items()}
@@ -277,12 +269,12 @@ class Stages:  # a Trainer
 
     def divergence(self) -> float:
         fp = fingerprint([self.modules[s] for s in self.ids]).to(self.device)
-        return loop.divergence(fp, self.mesh["dp"].get_group(), self.dp_size)
+        return divergence(fp, self.mesh["dp"].get_group(), self.dp_size)
 
     def placement(self, launch: idr_torch.Launch) -> dict:
         return {"rank": launch.rank, "node": launch.node_id, "host": os.uname().nodename, "stages": self.ids,
                 "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "nb_part": 1, "devices": [str(self.device)],
-                "node_gpus": self.plan.node_gpus, **cpu_placement()}
+                "node_gpus": self.plan.node_gpus, **cpu_placement(launch)}
 
     def record(self) -> dict:
         return {"layout": self.name, "engine": self.engine, "nb_part": self.nb_part, "pp": self.pp,
@@ -293,11 +285,6 @@ class Stages:  # a Trainer
         if getattr(self, "watchdog", None):
             self.watchdog.stop()
 
-
-
-def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The loss in fp32 whatever --precision (the last stage's autocast may give bf16 logits)."""
-    return F.cross_entropy(logits.float(), y)
 
 
 def split_optimizer_state(state: dict, counts: list[int]) -> list[dict]:
@@ -325,4 +312,4 @@ def merge_optimizer_states(pieces: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    cli(main, "bench_stage")
+    cli(main, PROG)

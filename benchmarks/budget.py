@@ -54,11 +54,10 @@ def run_script(python: str, args: list[str], cache: Path) -> dict:
 BARE = """
 import sys, time, torch, torch.nn.functional as F
 sys.path.insert(0, {root!r})
-import bench_ddp_transformer as b, idr_torch, kit.plan, kit.train.setup
-cfg = b.parse_args({args!r}); kit.train.setup.resolve(cfg, cuda=False)
+import idr_torch, kit.arguments, kit.plan, kit.train.parts, kit.train.setup
+cfg = kit.arguments.parse_trainer_args("replica", {args!r}); kit.train.setup.resolve(cfg, cuda=False)
 torch.set_num_threads(kit.train.setup.cpu_threads(idr_torch.current()))  # the script's own thread count
-torch.manual_seed(cfg.seed)
-model = torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 1)))
+model = torch.nn.Sequential(*kit.train.parts.model_parts(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 1)))
 opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 g = torch.Generator().manual_seed(0)
 x = torch.randint(0, cfg.vocab_size, ({steps}, cfg.batch_size, cfg.seq_len), generator=g)
@@ -123,11 +122,10 @@ def startup(python: str, cache: Path) -> list[str]:
     big = Path(tempfile.mkdtemp(prefix="budget-50k-"))
     code = f"""
 import sys, time, torch; sys.path.insert(0, {str(ROOT)!r})
-import bench_ddp_transformer as b
-import kit.train.data
-import kit.train.setup
-cfg = b.parse_args(['--synthetic', '40000', '--seq-len', '256', '--vocab-size', '30000', '--cache-dir', {str(big)!r}])
-kit.train.data.load_corpus(cfg, None, 1)
+import idr_torch, kit.arguments, kit.train.data, kit.train.launch, kit.train.setup
+cfg = kit.arguments.parse_trainer_args('replica', ['--synthetic', '40000', '--seq-len', '256', '--vocab-size', '30000',
+                                                   '--cache-dir', {str(big)!r}])
+kit.train.data.load_corpus(cfg, None, kit.train.launch.Tasks(idr_torch.current()))
 """
     subprocess.run([python, "-c", code], check=True, env=env(), capture_output=True)
     [f] = list(big.glob("*.pt"))

@@ -261,26 +261,29 @@ class BareLoops:
 
 
 def bare_model(conf: dict):
-    """The bare loop's model for one process: the trainer's own parts (bench_ddp_transformer.build_module_list, each
-    part's autocast at the precision asked), its AdamW, one batch; on the GPU(s) the script's task of this rank uses
+    """The bare loop's model for one process: the trainer's own parts (kit.train.parts.model_parts, each part's
+    autocast at the precision asked), its AdamW, one batch; on the GPU(s) the script's task of this rank uses
     (the CPU where there is none: the tests). Returns (cfg, parts, their devices, the optimizer, x, y)."""
     import torch
-    import bench_ddp_transformer as bench
-    import kit.train.setup
+    import idr_torch
+    import kit.arguments
     import kit.plan
+    import kit.train.parts
+    import kit.train.setup
     cuda = torch.cuda.is_available()
-    cfg = bench.parse_args(["--nlayers", str(conf["nlayers"]), "--batch-size", str(conf["batch_size"]),
-                            "--chunks", str(conf["chunks"]), "--nb-part", str(conf["nb_part"])])
+    cfg = kit.arguments.parse_trainer_args("replica", ["--nlayers", str(conf["nlayers"]), "--batch-size",
+                                                       str(conf["batch_size"]), "--chunks", str(conf["chunks"]),
+                                                       "--nb-part", str(conf["nb_part"])])
     kit.train.setup.resolve(cfg, cuda=cuda)
     devices = None if conf["devices"] is None else [int(d) for d in conf["devices"].split(",")]
     visible = [str(i) for i in range(torch.cuda.device_count())] if cuda else []
     plan = kit.plan.plan_task(conf["rank"], 0, conf["rank"], conf["tasks"], visible, None, cfg.nlayers,
                               conf["nb_part"], None, devices)
-    bench.use_gpus(plan)
+    kit.train.setup.use_gpus(plan)
     # the intra-op threads the trainer's task of this rank takes (its cores, or the node's split between the tasks)
-    torch.set_num_threads(kit.train.setup.cpu_threads(types.SimpleNamespace(local_world_size=conf["tasks"])))
-    torch.manual_seed(cfg.seed)
-    parts = bench.build_module_list(cfg, plan)
+    task = types.SimpleNamespace(local_world_size=conf["tasks"], cpus_asked=idr_torch.current().cpus_asked)
+    torch.set_num_threads(kit.train.setup.cpu_threads(task))
+    parts = kit.train.parts.model_parts(cfg, plan)
     where = [plan.device(i) for i in range(plan.nb_part)]
     opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=cfg.lr)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), device=where[0])

@@ -5,7 +5,7 @@
     python benchmarks/memory_gpu.py --nb-part 2    # split over 2 GPUs (with fewer GPUs, every part on cuda:0)
     python benchmarks/memory_gpu.py --jobs 4       # the four configurations side by side (`make gpu-check`)
 
-Each configuration runs the trainer's own Replica (bench_ddp_transformer.py: its model, --precision,
+Each configuration runs the trainer's own Replica (kit.train.replica: its model, --precision,
 --activation-checkpointing, fairscale's Pipe, DDP over nccl in one process, its AdamW or GradScaler) three steps; the
 peak of the third (optimizer state there, as in every later step) is compared per GPU with the estimate for this GPU's
 kernels (kit.memory.ARCHS): the estimate without its allowance against max_memory_allocated, with it against
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import bench_ddp_transformer as bench  # noqa: E402
+import kit.train.replica  # noqa: E402
 import kit.train.setup  # noqa: E402
 import kit.arguments  # noqa: E402
 import kit.memory  # noqa: E402
@@ -69,8 +69,8 @@ def plan_of(model: dict, precision: str, ckpt: bool, nb_part: int, cuda: bool) -
     """The trainer's configuration and plan on this machine's GPUs (every part on cuda:0 when there are fewer than
     nb_part), or on the CPU."""
     args = [f"--{k.replace('_', '-')}={v}" for k, v in model.items()]
-    cfg = bench.parse_args(args + ["--precision", precision, "--nb-part", str(nb_part)]
-                           + (["--activation-checkpointing"] if ckpt else []))
+    cfg = kit.arguments.parse_trainer_args("replica", args + ["--precision", precision, "--nb-part", str(nb_part)]
+                                           + (["--activation-checkpointing"] if ckpt else []))
     kit.train.setup.resolve(cfg, cuda=cuda)
     gpus = torch.cuda.device_count() if cuda else 0
     plan = kit.plan.plan_task(0, 0, 0, 1, [str(i) for i in range(gpus)], gpus or None, cfg.nlayers, nb_part,
@@ -78,10 +78,10 @@ def plan_of(model: dict, precision: str, ckpt: bool, nb_part: int, cuda: bool) -
     return cfg, plan
 
 
-def replica(cfg, plan) -> tuple[bench.Replica, torch.Tensor, torch.Tensor]:  # noqa: ANN001
+def replica(cfg, plan) -> tuple[kit.train.replica.Replica, torch.Tensor, torch.Tensor]:  # noqa: ANN001
     """The trainer's Replica, started, and one batch where its step puts it."""
     torch.manual_seed(0)
-    trainer = bench.Replica(cfg, plan, "fairscale")
+    trainer = kit.train.replica.Replica(cfg, plan, "fairscale")
     trainer.start()
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)

@@ -6,7 +6,7 @@ measures in a real training step, on the CPU.
     python benchmarks/memory_grid.py --quick      # the small grid tests/test_memory.py enforces
     python benchmarks/memory_grid.py --replica    # or --stage: one layout only
 
-The page's layout: for each configuration the trainer's own Replica (bench_ddp_transformer.py: its model, its
+The page's layout: for each configuration the trainer's own Replica (kit.train.replica: its model, its
 --precision, --activation-checkpointing and --dropout, fairscale's Pipe, DDP over gloo, its AdamW) runs three
 training steps; the third is measured by torch.distributed._tools.mem_tracker.MemTracker, entered in each part's
 forward (fairscale runs the parts in worker threads, and a dispatch mode is per thread) and around the step. Every
@@ -47,7 +47,8 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _Updat
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
-import bench_ddp_transformer as bench  # noqa: E402
+import kit.train.launch  # noqa: E402
+import kit.train.replica  # noqa: E402
 import kit.train.setup  # noqa: E402
 import kit.arguments  # noqa: E402
 import kit.memory  # noqa: E402
@@ -321,10 +322,11 @@ def replica_step(row: dict, precision: str, ckpt: bool, traced: bool = True) -> 
 
 def _replica_step(row: dict, precision: str, ckpt: bool, traced: bool) -> dict:
     init_process_group()
-    cfg = bench.parse_args(trainer_args(row, precision, ckpt) + ["--nb-part", str(row["nb_part"])])
+    cfg = kit.arguments.parse_trainer_args("replica", trainer_args(row, precision, ckpt) + ["--nb-part",
+                                                                                            str(row["nb_part"])])
     kit.train.setup.resolve(cfg, cuda=False)
     plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, cfg.nb_part)
-    replica = bench.Replica(cfg, plan, "fairscale")
+    replica = kit.train.replica.Replica(cfg, plan, "fairscale")
     parts, box, buckets = list(replica.model), [None], {}
     watch_parts(parts, box)
     try:
@@ -441,8 +443,8 @@ def stage_worker(conf: dict, out: Path) -> None:
     cfg = bench_stage.parse_args(stage_args(conf))
     kit.train.setup.resolve(cfg, cuda=False)
     plan = bench_stage.make_plan(cfg, cuda=False)
-    bench.init_distributed(120, cuda=False)
-    trainer = bench_stage.Stages(cfg, plan, cuda=False)
+    tasks = kit.train.launch.init_distributed(120, cuda=False, gpus=[])
+    trainer = bench_stage.Stages(cfg, plan, cuda=False, tasks=tasks)
     trainer.start()
     buckets: dict = {}
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_ddp_transformer as b  # noqa: E402
+import kit.arguments  # noqa: E402
+import kit.train.parts  # noqa: E402
 import kit.train.pipe  # noqa: E402
 import kit.train.setup  # noqa: E402
 from budget import MODEL as BUDGET_MODEL  # noqa: E402
@@ -25,11 +26,10 @@ MODEL = [*BUDGET_MODEL, "--chunks", "4"]  # the budget's model, at its chunks
 
 
 def main(mode: str) -> None:
-    cfg = b.parse_args(MODEL)
+    cfg = kit.arguments.parse_trainer_args("replica", MODEL)
     kit.train.setup.resolve(cfg, cuda=False)
     torch.set_num_threads(kit.train.setup.cpu_threads(idr_torch.current()))
-    torch.manual_seed(0)
-    module_list = b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2))
+    module_list = kit.train.parts.model_parts(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2))
     model = torch.nn.Sequential(*module_list) if mode == "bare" else \
         kit.train.pipe.PipeModel(module_list, "fairscale", cfg.chunks, ["cpu", "cpu"])
     run = model

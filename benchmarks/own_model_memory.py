@@ -34,7 +34,7 @@ from torch.distributed._tools.mem_tracker import _MemRefType  # noqa: E402
 
 import kit.layer_memory  # noqa: E402
 import kit.own_model as own  # noqa: E402
-from kit.train.options import AUTOCAST_DTYPE  # noqa: E402
+from kit.train.options import autocast_dtype  # noqa: E402
 from memory_grid import HIGH, LOW, PartTracker, table, yes  # noqa: E402
 
 ZOO = str(ROOT / "tests" / "models_zoo.py")
@@ -70,7 +70,7 @@ def real_batch(sample: str, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train_step(parts: list[nn.Module], optimizers: list, x: torch.Tensor, y: torch.Tensor, chunks: int,
                precision: str, tracker: PartTracker | None = None) -> None:
     """GPipe's step: every micro-batch forward through the parts, one backward of their summed losses, AdamW."""
-    dtype, last, losses = AUTOCAST_DTYPE[precision], len(parts) - 1, []
+    dtype, last, losses = autocast_dtype(precision), len(parts) - 1, []
     for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
         h = xm
         for k, part in enumerate(parts):

@@ -38,13 +38,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench_ddp_transformer as bench  # noqa: E402
 import kit.train.checkpoint  # noqa: E402
 import kit.train.errors  # noqa: E402
 import kit.train.launch  # noqa: E402
 import kit.train.options  # noqa: E402
+import kit.train.parts  # noqa: E402
 import kit.train.pipe  # noqa: E402
 import kit.train.setup  # noqa: E402
+import kit.train.trainer  # noqa: E402
+import kit.train.transformer  # noqa: E402
 import kit.allocation  # noqa: E402
 import kit.arguments  # noqa: E402
 import kit.findings  # noqa: E402
@@ -70,7 +72,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
     if args.max_micro < 1 or args.repeats < 1:
         p.error(f"--max-micro ({args.max_micro}) and --repeats ({args.repeats}) must be at least 1")
     try:
-        cfg = bench.parse_args(rest)
+        cfg = kit.arguments.parse_trainer_args("replica", rest)
     except kit.arguments.ArgumentError as exc:
         p.error(str(exc))
     return args, cfg
@@ -114,13 +116,13 @@ class Timer:
 
 
 def make_block(kind: str, cfg: argparse.Namespace, precision: str, ckpt: bool, device: torch.device):
-    """One block as the trainer builds it (bench_ddp_transformer's classes), in a Part for its autocast."""
+    """One block as the trainer builds it (kit.train.transformer's classes), in a Part for its autocast."""
     if kind == "Encoder":
-        block = bench.Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len)
+        block = kit.train.transformer.Encoder(cfg.vocab_size, cfg.d_model, cfg.dropout, cfg.seq_len)
     elif kind == "Layer":
-        block = bench.Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout, ckpt)
+        block = kit.train.transformer.Layer(cfg.d_model, cfg.n_head, cfg.d_hid, cfg.dropout, ckpt)
     else:
-        block = bench.Decoder(cfg.d_model, cfg.d_hid)
+        block = kit.train.transformer.Decoder(cfg.d_model, cfg.d_hid)
     return kit.train.options.Part(block, precision=precision).to(device)
 
 
@@ -173,11 +175,11 @@ def micro_sizes(max_micro: int) -> list[int]:
 
 
 def model_parts(cfg: argparse.Namespace, nb_part: int, precision: str, ckpt: bool, devices: list) -> list:
-    """The trainer's own module_list (bench.build_module_list: the page's loop) in nb_part parts, each moved to its
-    device (the last one's for every part past the task's devices)."""
-    torch.manual_seed(0)
-    run = argparse.Namespace(**{**vars(cfg), "precision": precision, "activation_checkpointing": bool(ckpt)})
-    parts = bench.build_module_list(run, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, nb_part))
+    """The trainer's own module_list (kit.train.parts.model_parts: the page's loop's parts) in nb_part parts, each
+    moved to its device (the last one's for every part past the task's devices)."""
+    run = argparse.Namespace(**{**vars(cfg), "precision": precision, "activation_checkpointing": bool(ckpt),
+                                "seed": 0})
+    parts = kit.train.parts.model_parts(run, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, nb_part))
     return [p.to(devices[min(i, len(devices) - 1)]) for i, p in enumerate(parts)]
 
 
@@ -235,7 +237,7 @@ def time_optimizer(cfg: argparse.Namespace, timer: Timer) -> dict:
 
 
 def time_engine(engine: str, timer: Timer) -> dict:
-    """The Pipe's own cost (bench_ddp_transformer.PipeModel, the trainer's engine) on two parts so small that what
+    """The Pipe's own cost (kit.train.pipe.PipeModel, the trainer's engine) on two parts so small that what
     is timed is the engine: scatter into micro-batches, the hand-off to each part's worker, the gather. Fitted as
     per_step + chunks x parts x per_micro_batch_part from chunks 1 and 16 (batch 16)."""
     devices = [timer.devices[0], timer.devices[-1]]
@@ -253,7 +255,7 @@ def time_engine(engine: str, timer: Timer) -> dict:
             "shared_device": devices[0] == devices[-1]}
 
 
-def time_stage_engine(cuda: bool, timer: Timer) -> dict | None:
+def time_stage_engine(cuda: bool, timer: Timer, tasks: kit.train.launch.Tasks) -> dict | None:
     """bench_stage.py's Stages (torch.distributed.pipelining, pp 2 over all tasks) on a tiny model: its cost
     per step and per micro-batch and stage (the schedule, the sends and receives of a tiny activation). Every task
     takes part; None where the stage layout cannot run (one task, an odd count, torch < 2.4)."""
@@ -271,7 +273,7 @@ def time_stage_engine(cuda: bool, timer: Timer) -> dict | None:
                                       "--seq-len", "4", "--vocab-size", "16", "--chunks", str(chunks),
                                       "--batch-size", "16", "--dropout", "0"])
         kit.train.setup.resolve(cfg, cuda)
-        stages = bench_stage.Stages(cfg, bench_stage.make_plan(cfg, cuda), cuda)
+        stages = bench_stage.Stages(cfg, bench_stage.make_plan(cfg, cuda), cuda, tasks)
         stages.start()
         x, y = torch.randint(0, 16, (16, 4)), torch.randint(0, 2, (16,))
         try:
@@ -285,7 +287,8 @@ def time_stage_engine(cuda: bool, timer: Timer) -> dict | None:
 STAGE_MODEL = ("nlayers", "d_model", "n_head", "d_hid", "seq_len", "vocab_size", "dropout")
 
 
-def time_stage_steps(cfg: argparse.Namespace, cuda: bool, max_micro: int, timer: Timer) -> dict | None:
+def time_stage_steps(cfg: argparse.Namespace, cuda: bool, max_micro: int, timer: Timer, tasks: kit.train.launch.Tasks
+                     ) -> dict | None:
     """Real steps of the stage layout with the real model: bench_stage.Stages, pp 2 over all tasks (dp = tasks / 2),
     the schedule the trainer allows here; 2 and 8 micro-batches of 1, 4, 16 and 64 samples (up to --max-micro):
     [[micro, chunks, seconds], ...]. kit.speed._stage_fit finds in them what the stage layout costs beyond its
@@ -307,14 +310,14 @@ def time_stage_steps(cfg: argparse.Namespace, cuda: bool, max_micro: int, timer:
         stage_cfg = bench_stage.parse_args(["--pp", "2", "--schedule", schedule, "--chunks", str(chunks),
                                             "--batch-size", str(batch), *model_argv])
         kit.train.setup.resolve(stage_cfg, cuda)
-        stages = bench_stage.Stages(stage_cfg, bench_stage.make_plan(stage_cfg, cuda), cuda)
+        stages = bench_stage.Stages(stage_cfg, bench_stage.make_plan(stage_cfg, cuda), cuda, tasks)
         stages.start()
         x, y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)), torch.randint(0, 2, (batch,))
         flag = torch.zeros(1)
 
         def step():  # as train_epoch runs it: the step, then the stop flag's all-reduce (StopRequest.agreed)
             stages.train_step(x, y)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=kit.train.launch.HOST_GROUP[0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tasks.host_group)
         try:
             points.append([micro, chunks, timer.median(step, warmup=2)])
         finally:
@@ -324,7 +327,8 @@ def time_stage_steps(cfg: argparse.Namespace, cuda: bool, max_micro: int, timer:
             "replicas": world // 2, "schedule": schedule, "nlayers": cfg.nlayers, "points": points}
 
 
-def time_replica_step(cfg: argparse.Namespace, engine: str, micro: int, timer: Timer, group) -> float:
+def time_replica_step(cfg: argparse.Namespace, engine: str, micro: int, timer: Timer, group,
+                      tasks: kit.train.launch.Tasks) -> float:
     """One real step of the replica layout with the whole model in one part: the trainer's PipeModel inside DDP over
     `group`, its forward_backward, AdamW's step and the stop flag's all-reduce (StopRequest.agreed), as
     Replica.train_step and train_epoch run them. What this costs beyond its blocks and its optimizer is the step's
@@ -342,27 +346,28 @@ def time_replica_step(cfg: argparse.Namespace, engine: str, micro: int, timer: T
 
         def step():
             opt.zero_grad(set_to_none=True)
-            bench.forward_backward(ddp, x, y)
+            kit.train.trainer.forward_backward(ddp, x, y)
             opt.step()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=kit.train.launch.HOST_GROUP[0] or group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tasks.host_group or group)
         return timer.median(step, warmup=3)
     finally:
         model.close()
 
 
-def replica_steps(cfg: argparse.Namespace, engine: str, timer: Timer, cuda: bool) -> list[dict]:
+def replica_steps(cfg: argparse.Namespace, engine: str, timer: Timer, cuda: bool, tasks: kit.train.launch.Tasks
+                  ) -> list[dict]:
     """time_replica_step at micro-batch 8 with every task of the job in one DDP group, then on a CPU task 0 alone in
     a group of its own, as the compute contexts are."""
     launch, micro = idr_torch.current(), 8
     threads = None if cuda else torch.get_num_threads()
     out = [{"tasks": launch.local_world_size, "threads": threads, "replicas": idr_torch.size, "micro": micro,
-            "nlayers": cfg.nlayers, "step_s": time_replica_step(cfg, engine, micro, timer, None)}]
+            "nlayers": cfg.nlayers, "step_s": time_replica_step(cfg, engine, micro, timer, None, tasks)}]
     alone = dist.new_group([0]) if idr_torch.size > 1 else None
     for t in alone_threads(cuda, launch.local_world_size, threads):
-        barrier()
+        barrier(tasks)
         rec = hold_others(lambda: with_threads(t, lambda: {
             "tasks": 1, "threads": t, "replicas": 1, "micro": micro, "nlayers": cfg.nlayers,
-            "step_s": time_replica_step(cfg, engine, micro, timer, alone)}))
+            "step_s": time_replica_step(cfg, engine, micro, timer, alone, tasks)}))
         out += [rec] if rec else []
     return out
 
@@ -441,13 +446,13 @@ def node_ranks(launch: idr_torch.Launch) -> tuple[list[int], list[int]]:
     return list(range(launch.tasks_per_node[0])), starts
 
 
-def barrier() -> None:
-    if idr_torch.size > 1:
-        dist.barrier(group=kit.train.launch.HOST_GROUP[0])
+def barrier(tasks: kit.train.launch.Tasks) -> None:
+    if tasks.launch.size > 1:
+        dist.barrier(group=tasks.host_group)
 
 
 def compute_contexts(cfg: argparse.Namespace, precisions: list[str], max_micro: int, timer: Timer,
-                     cuda: bool, engine: str) -> list[dict]:
+                     cuda: bool, engine: str, tasks: kit.train.launch.Tasks) -> list[dict]:
     """The blocks (bare) and the whole model (in the Pipe) timed by every task at once, each with its share of the
     cores; then on a CPU by task 0 alone, with one thread and with all the cores it may use."""
     launch = idr_torch.current()
@@ -458,10 +463,10 @@ def compute_contexts(cfg: argparse.Namespace, precisions: list[str], max_micro: 
         return {"tasks": tasks, "threads": threads, "nlayers": cfg.nlayers,
                 "blocks": time_blocks(cfg, precisions, max_micro, timer), "whole": whole,
                 "engine": time_engine_real(cfg, max_micro, timer, engine, [*whole.values()][0])}
-    barrier()
+    barrier(tasks)
     contexts = [context(launch.local_world_size, threads)]
     for t in alone_threads(cuda, launch.local_world_size, threads):
-        barrier()
+        barrier(tasks)
         ctx = hold_others(lambda: with_threads(t, lambda: context(1, t)))
         contexts += [ctx] if ctx else []
     return contexts
@@ -470,10 +475,10 @@ def compute_contexts(cfg: argparse.Namespace, precisions: list[str], max_micro: 
 def profile_key(cfg: argparse.Namespace, cuda: bool, device: torch.device) -> dict:
     """What a profile holds for: the node type (check_topology's reading of the allocation), the GPU, the torch
     release, the model's block (--nlayers does not matter: a Layer is timed once)."""
-    node_type = None
-    if os.environ.get("SLURM_JOB_ID"):
+    node_type, allocation = None, idr_torch.allocation()
+    if allocation["job_id"][1]:
         node_type = kit.site.node_type(kit.allocation.job_from_allocation(dict(os.environ)))
-    return {"node_type": node_type, "partition": os.environ.get("SLURM_JOB_PARTITION"),
+    return {"node_type": node_type, "partition": allocation["partition"][1],
             "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
             "model": {k: getattr(cfg, k) for k in kit.speed.PROFILE_MODEL}, "nlayers": cfg.nlayers}
 
@@ -527,7 +532,7 @@ def write_json(obj: dict, target: Path) -> None:
 
 
 def measure(args: argparse.Namespace, cfg: argparse.Namespace, cuda: bool, plan: kit.plan.TaskPlan,
-            engine: str) -> dict:
+            engine: str, tasks: kit.train.launch.Tasks) -> dict:
     launch = idr_torch.current()
     devices = [torch.device(plan.device(i)) for i in range(plan.nb_part)] or [torch.device("cpu")]
     timer = Timer(devices, args.repeats)
@@ -536,18 +541,19 @@ def measure(args: argparse.Namespace, cfg: argparse.Namespace, cuda: bool, plan:
                "taken": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
                "device": "cuda" if cuda else "cpu", "backend": dist.get_backend() if launch.size > 1 else None,
                "nodes": launch.num_nodes, "tasks_per_node": launch.local_world_size, "max_micro": args.max_micro,
-               "compute": compute_contexts(cfg, precisions_of(args, cuda), args.max_micro, timer, cuda, engine)}
+               "compute": compute_contexts(cfg, precisions_of(args, cuda), args.max_micro, timer, cuda, engine,
+                                           tasks)}
     profile["optimizer"] = time_optimizer(cfg, timer)
     profile["engine"] = time_engine(engine, timer)
-    profile["replica_step"] = replica_steps(cfg, engine, timer, cuda)
-    barrier()
-    profile["stage_engine"] = time_stage_engine(cuda, Timer([devices[0]], args.repeats))
-    barrier()
-    profile["stage_step"] = time_stage_steps(cfg, cuda, args.max_micro, Timer([devices[0]], args.repeats))
+    profile["replica_step"] = replica_steps(cfg, engine, timer, cuda, tasks)
+    barrier(tasks)
+    profile["stage_engine"] = time_stage_engine(cuda, Timer([devices[0]], args.repeats), tasks)
+    barrier(tasks)
+    profile["stage_step"] = time_stage_steps(cfg, cuda, args.max_micro, Timer([devices[0]], args.repeats), tasks)
     on_node, firsts = node_ranks(launch)
     profile["allreduce"] = {"node": {"tasks": len(on_node), "points": time_allreduce(on_node, timer)},
                             "nodes": {"tasks": len(firsts), "points": time_allreduce(firsts, timer)}}
-    barrier()
+    barrier(tasks)
     profile["p2p"] = time_p2p(timer)
     profile["seconds"] = round(time.time() - t0, 1)
     return profile
@@ -560,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     findings = kit.findings.Findings()
     plan = kit.train.setup.task_plan(cuda, cfg.nlayers, None, findings)
     kit.train.setup.verdict(findings)
-    bench.use_gpus(plan)  # torch.cuda.set_device(first_part) before anything touches CUDA
+    gpus = kit.train.setup.use_gpus(plan)  # torch.cuda.set_device(first_part) before anything touches CUDA
     launch = idr_torch.current()
     torch.set_num_threads(kit.train.setup.cpu_threads(launch))
     engine = kit.train.pipe.pick_engine(cfg.engine)
@@ -570,21 +576,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).expanduser().resolve()
     try:
         kit.train.launch.check_rendezvous(launch, cfg.timeout)
-        bench.init_distributed(cfg.timeout, cuda)
-        kit.train.launch.agree(problem, launch)  # every task stops on task 0's verdict, before a minute of timing
+        tasks = kit.train.launch.init_distributed(cfg.timeout, cuda, gpus, "speed_profile")
+        tasks.agree(problem)  # every task stops on task 0's verdict, before a minute of timing
         rpc_file = kit.train.pipe.init_rpc_for_pipe() if engine == "torch-pipe" else None
-        profile = measure(args, cfg, cuda, plan, engine)
+        profile = measure(args, cfg, cuda, plan, engine, tasks)
         if launch.rank == 0:
             try:
                 write_json(profile, out)
             except OSError as exc:  # the folder was checked: a disk or quota that filled during the timing
                 problem = (f"--out {args.out}: the profile could not be written ({exc.strerror or exc}); nothing "
                            "half-written is left: free some space (or give another --out) and run it again")
-        kit.train.launch.agree(problem, launch)
+        tasks.agree(problem)
         if launch.rank == 0:
             kit.train.errors.log(f"profile: {args.out} written in {profile['seconds']:.0f} s ({profile['key']['gpu']}, torch "
                       f"{profile['key']['torch']}, {launch.size} task(s) on {launch.num_nodes} node(s))")
-        barrier()
+        barrier(tasks)
     finally:
         if rpc_file is not None:
             import torch.distributed.rpc as rpc

@@ -23,38 +23,40 @@ from kit.slurm import Job
 
 
 def job_from_allocation(env: dict[str, str]) -> Job:
-    """The allocation a batch script runs in (SLURM_JOB_NUM_NODES, SLURM_TASKS_PER_NODE, SLURM_JOB_GPUS, ...)."""
-    def num(name: str) -> int | None:
-        v = env.get(name, "").strip()
-        if not v:
+    """The allocation a batch script runs in (SLURM_JOB_NUM_NODES, SLURM_TASKS_PER_NODE, SLURM_JOB_GPUS, ...), as
+    idr_torch reads it from `env` (idr_torch.ALLOCATION)."""
+    facts = idr_torch.allocation(env)
+
+    def num(fact: str) -> int | None:
+        name, v = facts[fact]
+        if name is None:
             return None
         m = re.match(r"(?:[A-Za-z0-9_-]+:)?([0-9]+)$", v)  # ASCII digits, bounded (kit.bounded.whole_number)
         if not m:
             raise UsageError(f"{name}={v[:40]!r} is not a number")
         return whole_number(m.group(1))
-    tpn = env.get("SLURM_TASKS_PER_NODE", "").strip()
-    cpn = env.get("SLURM_JOB_CPUS_PER_NODE", "").strip()
-    gpus = env.get("SLURM_JOB_GPUS", "").strip()
+
+    def text(fact: str, default: str | None = None) -> str | None:
+        return facts[fact][1] or default
+    tpn, cpn, gpus = facts["tasks_per_node"], facts["cpus_per_node"], text("job_gpus")
     job = Job(
-        nodes=num("SLURM_JOB_NUM_NODES") or num("SLURM_NNODES"),
-        ntasks=num("SLURM_NTASKS"), ntasks_per_node=num("SLURM_NTASKS_PER_NODE"),
+        nodes=num("nodes"), ntasks=num("ntasks"), ntasks_per_node=num("ntasks_per_node"),
         # without a task count (no SLURM_NTASKS) the batch step's SLURM_TASKS_PER_NODE is no task count: it held the
         # cores (96, 40(x2)) for --cpus-per-gpu jobs (measured); srun runs one task a node there, as planned without
-        tasks_per_node=idr_torch.parse_tasks_per_node(tpn, "SLURM_TASKS_PER_NODE") if tpn and env.get(
-            "SLURM_NTASKS") else None,
-        gpus_per_node=num("SLURM_GPUS_ON_NODE") or (len(gpus.split(",")) if gpus else None),
-        gpus_per_task=num("SLURM_GPUS_PER_TASK"), gpu_bind=env.get("SLURM_GPU_BIND") or None,
-        cpus_per_task=num("SLURM_CPUS_PER_TASK"), hint=env.get("SLURM_HINT") or None,
-        constraint=env.get("SLURM_JOB_CONSTRAINTS") or None, partition=env.get("SLURM_JOB_PARTITION") or None,
-        account=env.get("SLURM_JOB_ACCOUNT") or None, qos=env.get("SLURM_JOB_QOS") or None, time="allocated",
+        tasks_per_node=idr_torch.parse_tasks_per_node(tpn[1], tpn[0]) if tpn[0] and facts["ntasks"][0] else None,
+        gpus_per_node=num("gpus_on_node") or (len(gpus.split(",")) if gpus else None),
+        gpus_per_task=num("gpus_per_task"), gpu_bind=text("gpu_bind"),
+        cpus_per_task=num("cpus_per_task"), hint=text("hint"),
+        constraint=text("constraint"), partition=text("partition"),
+        account=text("account"), qos=text("qos"), time="allocated",
         # per-GPU sizing as the batch step and srun's tasks see it (measured: SLURM_CPUS_PER_GPU=24,
         # SLURM_MEM_PER_GPU=10240 for --mem-per-gpu=10G, SLURM_JOB_CPUS_PER_NODE=96 or 40(x2))
-        cpus_per_gpu=num("SLURM_CPUS_PER_GPU"), mem_per_gpu=num("SLURM_MEM_PER_GPU"),
-        cores_per_node=idr_torch.parse_tasks_per_node(cpn, "SLURM_JOB_CPUS_PER_NODE") if cpn else None,
-        source=f"allocation of job {env.get('SLURM_JOB_ID', '?')} ({env.get('SLURM_JOB_NODELIST', '?')})")
+        cpus_per_gpu=num("cpus_per_gpu"), mem_per_gpu=num("mem_per_gpu"),
+        cores_per_node=idr_torch.parse_tasks_per_node(cpn[1], cpn[0]) if cpn[0] else None,
+        source=f"allocation of job {text('job_id', '?')} ({text('nodelist', '?')})")
     # Lmod and Environment Modules keep the loaded modules in LOADEDMODULES; the torch that runs is the installed
     # one (its package metadata: no torch import)
-    job.modules = [m for m in env.get("LOADEDMODULES", "").split(":") if m]
+    job.modules = [m for m in (text("modules") or "").split(":") if m]
     job.torch_module = next((m for m in reversed(job.modules) if torch_version_of(m)), None)
     try:
         import importlib.metadata
@@ -93,13 +95,13 @@ def task_facts(launch: idr_torch.Launch, training: Training) -> dict:
         affinity = len(psutil.Process().cpu_affinity())
     except (ImportError, AttributeError):
         affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cpt = launch.env.get("SLURM_CPUS_PER_TASK", "").strip()
-    if whole_number(cpt) is not None and affinity < whole_number(cpt):
+    asked = launch.cpus_asked
+    if asked is not None and affinity < asked:
         findings.warn("affinity-small", f"task {launch.rank} may run on {affinity} CPU(s) but asked "
-                      f"--cpus-per-task={cpt}: its DataLoader workers will share them")
+                      f"--cpus-per-task={asked}: its DataLoader workers will share them")
     if not visible:
         findings.warn("no-gpu-visible", f"task {launch.rank} sees no GPU (CUDA_VISIBLE_DEVICES="
-                      f"{launch.env.get('CUDA_VISIBLE_DEVICES')!r}): the trainer will run its {plan.nb_part} parts on the CPU")
+                      f"{launch.cuda_visible_devices!r}): the trainer will run its {plan.nb_part} parts on the CPU")
     return {"host": socket.gethostname(), "plan": asdict(plan), "findings": [asdict(f) for f in findings],
             "gpus_on_node": launch.gpus_on_node}
 

@@ -30,11 +30,14 @@ CPU_NB_PART = 2  # no GPU: still split in two so the pipeline is exercised
 ENGINES = ("auto", "torch-pipe", "fairscale")
 
 
-# --precision's names: fp32 (no autocast), bf16 or fp16 autocast; the trainer maps each name to its torch dtype
-# (bench_ddp_transformer.AUTOCAST_DTYPE)
+# --precision's names: fp32 (no autocast), bf16 or fp16 autocast
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 SPLITS = ("even", "time", "memory")  # --split of a --model: the even split, or balanced by FLOPs or by memory
+
+# each --precision's autocast dtype, by its name in torch (torch-free here): the trainers' autocast
+# (kit.train.options.autocast_dtype) and kit.own_model's measurement read it
+AUTOCAST_DTYPE = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
 TRAINERS = {"bench_ddp_transformer.py": "replica", "bench_stage.py": "stage"}  # the script sets the layout
 

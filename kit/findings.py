@@ -1,5 +1,6 @@
 """Findings and the catalogue of what the checker catches (CATCHES: code -> level, meaning).
-Owns: the finding codes and their levels; UsageError. Imports: nothing of the kit (every other module may import it).
+Owns: the finding codes and their levels; UsageError; an error's one line (first_line). Imports: nothing of the kit
+(every other module may import it).
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ class Findings(list):
 def refusal_text(findings: Iterable[Finding]) -> str:
     """The trainer's one line for its errors: 'code: message; code: message'."""
     return "; ".join(f"{f.code}: {f.message}" for f in findings)
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, for a one-line error (some, like EOFError, have none)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 class UsageError(Exception):

@@ -22,8 +22,8 @@ from kit.plan import layer_split
 # Encoder and whose last is its Decoder gets the page's even split (the Encoder with the first part, the Decoder with
 # the last); with the kit's Layers between them, all of one configuration, kit.memory's own estimate. When a class
 # moves to another module, this is the one line to change.
-KIT_CLASSES = {"Encoder": "bench_ddp_transformer", "Decoder": "bench_ddp_transformer",
-               "TransformerEncoderLayer": "torch.nn.modules.transformer", "CheckpointedLayer": "kit.train.options"}
+KIT_CLASSES = {"Encoder": "kit.train.transformer", "Decoder": "kit.train.transformer",
+               "TransformerEncoderLayer": "torch.nn.modules.transformer", "CheckpointedLayer": "kit.train.transformer"}
 
 KIT_LAYERS = ("TransformerEncoderLayer", "CheckpointedLayer")  # the kit's Layer block, plain or checkpointed
 
@@ -69,7 +69,7 @@ def is_token_ids(sample: str) -> bool:
 
 def is_kit_class(layer: object, name: str) -> bool:
     """Whether `layer` is an instance of the kit's class `name` (KIT_CLASSES), by its class's name and module (the
-    module found under a package too: kit_copy.bench_ddp_transformer)."""
+    module found under a package too: copy.kit.train.transformer)."""
     cls, home = type(layer), KIT_CLASSES[name]
     return cls.__name__ == name and (cls.__module__ == home or cls.__module__.endswith("." + home))
 

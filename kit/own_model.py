@@ -15,7 +15,7 @@ part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transfo
 itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers). Its options
 are the trainers' own (kit.arguments), with their defaults, and a few of its own.
 Owns: the measurement (measure, layer_costs, its cache), describe, the command. Imports: kit.advise, kit.arguments,
-kit.bounded, kit.findings, kit.layer_memory, kit.memory, kit.model, kit.schedules, kit.site, kit.train.errors, kit.train.options,
+kit.bounded, kit.findings, kit.layer_memory, kit.memory, kit.model, kit.schedules, kit.site,
 kit.trainer_checks (torch: only in this mode, never on the checker's plain path).
 """
 from __future__ import annotations
@@ -37,16 +37,14 @@ import torch
 import torch.nn as nn
 
 from kit.advise import GPUS, advise_layers, advise_layers_text, gpu_of
-from kit.arguments import (ARG, CPU_NB_PART, PRECISIONS, SCRIPTS, ArgumentError, Training, add_options, given_values,
+from kit.arguments import (ARG, AUTOCAST_DTYPE, CPU_NB_PART, PRECISIONS, SCRIPTS, ArgumentError, Training, add_options, given_values,
     model_args, set_values)
 from kit.bounded import FileProblem, read_regular
-from kit.findings import Findings, refusal_text
+from kit.findings import Findings, first_line, refusal_text
 from kit.layer_memory import estimate_peaks, one_stage_a_task
 from kit.memory import GIB, NotEstimated
 from kit.model import LayerCost, Model, ModelError, default_sample, recognise
 from kit.schedules import schedule
-from kit.train.errors import first_line
-from kit.train.options import AUTOCAST_DTYPE  # each --precision's autocast dtype, as the trainers run it
 from kit.trainer_checks import check_training
 
 CACHE_FORMAT = 4  # 4: LayerCost.out_shape
@@ -150,7 +148,7 @@ def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch
         if key not in params:
             saved[key] = t.untyped_storage().nbytes()
         return t
-    dtype = AUTOCAST_DTYPE[precision]
+    dtype = AUTOCAST_DTYPE[precision] and getattr(torch, AUTOCAST_DTYPE[precision])  # as the trainers run it
     with FlopCounterMode(display=False) as flops:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):

@@ -7,13 +7,10 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from kit.bounded import number_shown, quoted, whole_number
 from kit.findings import Findings
-
-if TYPE_CHECKING:  # a type only: kit.jobscript imports this module
-    from kit.jobscript import LaunchLine
 
 
 @dataclass
@@ -53,7 +50,7 @@ class Job:
     placement: str = "exact"  # "possible": Slurm decides by free cores; the plan shows one placement it may make
     options: dict[str, str | None] = field(default_factory=dict)  # every option the directives give, last value
     option_lines: dict[str, str] = field(default_factory=dict)  # where each was given (file:line)
-    trainer_line: "LaunchLine | None" = None  # the kit trainer's launch line, as bash runs it
+    trainer_line: object = None  # the kit trainer's launch line (kit.jobscript.LaunchLine, which imports this), or None
     srun_cpus: bool = False  # its srun gets -c (or SRUN_CPUS_PER_TASK)
     launches: list = field(default_factory=list)  # the script's other launch lines (LaunchLine), their layout
     sourced: list[str] = field(default_factory=list)  # files the script sources (not read)

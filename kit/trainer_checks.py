@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -185,7 +184,7 @@ def check_trainer_task(layout: str, values: argparse.Namespace, plan: TaskPlan, 
 def visible_gpus_here(launch: idr_torch.Launch) -> list[str]:
     """The GPUs this task would use, found without torch: CUDA_VISIBLE_DEVICES (Slurm sets it for --gres and
     --gpus*), else the node's /dev/nvidiaN devices, which CUDA enumerates when nothing restricts it."""
-    if "CUDA_VISIBLE_DEVICES" in launch.env:
+    if launch.cuda_visible_devices is not None:
         return launch.visible_gpus
     return [str(i) for i in range(sum(1 for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)))]
 
@@ -237,8 +236,7 @@ def check_args_main(layout: str, argv: Sequence[str], environ: dict[str, str] | 
     """A trainer's --check-args: check_args, printed as the trainer prints (warnings and the verdict from rank 0,
     a launcher error from every rank), and its exit status. No torch import: it takes a tenth of a second."""
     prog = SCRIPTS[layout].removesuffix(".py")
-    env = os.environ if environ is None else environ
-    first = (env.get("RANK") or env.get("SLURM_PROCID") or "0").strip() in ("0", "")  # as the trainer's cli()
+    first = idr_torch.env_rank(environ) in (0, None)  # as the trainer's cli()
     try:
         status, findings, plan = check_args(layout, argv, environ)
     except idr_torch.LaunchError as exc:

@@ -1,5 +1,5 @@
-"""One training step of the trainer's own Replica (its seed, module list, Pipe, optimizer, and the page's DDP from
-Replica.start) on this rank's shard of a fixed global batch, through Replica.train_step with the optimizer's update
+"""One training step of the trainer's own Replica (kit.train.replica: its seed, module list, Pipe, optimizer, and the
+page's DDP from Replica.start) on this rank's shard of a fixed global batch, through Replica.train_step with the optimizer's update
 held back; saves the loss and the (DDP-averaged) gradients. Started once per task by tests/test_train.py and
 tests/test_options.py, under srun-like variables."""
 from __future__ import annotations
@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench_ddp_transformer as bench  # noqa: E402
+import kit.arguments  # noqa: E402
+import kit.train.launch  # noqa: E402
 import kit.train.pipe  # noqa: E402
+import kit.train.replica  # noqa: E402
 import kit.train.setup  # noqa: E402
 import idr_torch  # noqa: E402
 
@@ -26,13 +28,13 @@ def global_batch(cfg, world: int) -> tuple[torch.Tensor, torch.Tensor]:
 def start_replica(argv: list[str]):
     """The trainer's Replica for `argv`, started on the CPU as the trainer starts it (process group, RPC for the
     built-in Pipe): (cfg, plan, engine, trainer, rpc_file). Also used by tests/host_sync_worker.py."""
-    cfg = bench.parse_args(argv)
+    cfg = kit.arguments.parse_trainer_args("replica", argv)
     kit.train.setup.resolve(cfg, cuda=False)
     plan = kit.train.setup.make_plan(cfg, cuda=False)
     engine = kit.train.pipe.pick_engine(cfg.engine)
-    bench.init_distributed(120, cuda=False)
+    kit.train.launch.init_distributed(120, cuda=False, gpus=[])
     rpc_file = kit.train.pipe.init_rpc_for_pipe() if engine == "torch-pipe" else None
-    trainer = bench.Replica(cfg, plan, engine)
+    trainer = kit.train.replica.Replica(cfg, plan, engine)
     trainer.start()
     return cfg, plan, engine, trainer, rpc_file
 

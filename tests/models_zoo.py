@@ -53,24 +53,25 @@ def mlp_large_sample() -> torch.Tensor:
 
 
 def kit_transformer() -> list[nn.Module]:
-    """The kit's own model (bench_ddp_transformer.py's Encoder, Layer, Decoder) at its CPU defaults."""
-    import bench_ddp_transformer as bench
+    """The kit's own model (kit.train.transformer's Encoder, Layer, Decoder: bench_ddp_transformer.py's) at its CPU
+    defaults."""
     import kit.arguments
+    from kit.train.transformer import Decoder, Encoder, Layer
     m = kit.arguments.CPU_DEFAULTS
-    return [bench.Encoder(m["vocab_size"], m["d_model"], 0.0, m["seq_len"]),
-            *(bench.Layer(m["d_model"], m["n_head"], m["d_hid"], 0.0) for _ in range(m["nlayers"])),
-            bench.Decoder(m["d_model"], m["d_hid"])]
+    return [Encoder(m["vocab_size"], m["d_model"], 0.0, m["seq_len"]),
+            *(Layer(m["d_model"], m["n_head"], m["d_hid"], 0.0) for _ in range(m["nlayers"])),
+            Decoder(m["d_model"], m["d_hid"])]
 
 
 def kit_ends_mixed() -> list[nn.Module]:
-    """The kit's Encoder and Decoder (bench_ddp_transformer.py) around the user's own middle layers (4 residual MLP
+    """The kit's Encoder and Decoder (kit.train.transformer's) around the user's own middle layers (4 residual MLP
     blocks of uneven widths, on each position): the even split keeps the Encoder with the first part and the Decoder
     with the last, as the kit's own model (6 layers on 4 GPUs: [2, 1, 1, 2]); kit.memory's estimate does not apply."""
-    import bench_ddp_transformer as bench
     import kit.arguments
+    from kit.train.transformer import Decoder, Encoder
     m = kit.arguments.CPU_DEFAULTS
-    return [bench.Encoder(m["vocab_size"], m["d_model"], 0.0, m["seq_len"]),
-            *(Residual(m["d_model"], w) for w in (1, 4, 1, 2)), bench.Decoder(m["d_model"], m["d_hid"])]
+    return [Encoder(m["vocab_size"], m["d_model"], 0.0, m["seq_len"]),
+            *(Residual(m["d_model"], w) for w in (1, 4, 1, 2)), Decoder(m["d_model"], m["d_hid"])]
 
 
 def not_a_sequence() -> nn.Module:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench_ddp_transformer as bench  # noqa: E402
+import kit.train.launch  # noqa: E402
 import kit.train.setup  # noqa: E402
 import bench_stage  # noqa: E402
 import idr_torch  # noqa: E402
@@ -21,8 +21,8 @@ def main() -> None:
     cfg = bench_stage.parse_args(sys.argv[2:])
     kit.train.setup.resolve(cfg, cuda=False)
     plan = bench_stage.make_plan(cfg, cuda=False)
-    bench.init_distributed(120, cuda=False)
-    trainer = bench_stage.Stages(cfg, plan, cuda=False)
+    tasks = kit.train.launch.init_distributed(120, cuda=False, gpus=[])
+    trainer = bench_stage.Stages(cfg, plan, cuda=False, tasks=tasks)
     trainer.start()
     x, y = global_batch(cfg, trainer.dp_size)
     shard = slice(trainer.dp_rank * cfg.batch_size, (trainer.dp_rank + 1) * cfg.batch_size)

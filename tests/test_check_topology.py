@@ -127,14 +127,16 @@ def page_grouping(nlayers: int, nb_part: int) -> list[list[int]]:
     return module_list
 
 
-def ours_grouping(nlayers: int, nb_part: int) -> list[list[int]]:
-    """The same, for the kit: bench_ddp_transformer.build_module_list itself on nb_part GPUs, each module's
-    .to(cuda:i) recorded instead of done (no GPU here)."""
+def ours_grouping(nlayers: int, nb_part: int, build=None) -> list[list[int]]:
+    """The same, for the kit: its module_list (kit.train.transformer's; `build`: another builder of it, the page's
+    loop in tests/test_page.py) on nb_part GPUs, each .to(cuda:i) recorded instead of done (no GPU here): a module's
+    own, or its part's where the part was moved whole."""
     torch = pytest.importorskip("torch")
-    import bench_ddp_transformer as b
+    import kit.arguments
     import kit.train.setup
-    cfg = b.parse_args(["--nlayers", str(nlayers), "--d-model", "2", "--n-head", "1", "--d-hid", "2",
-                        "--vocab-size", "8", "--seq-len", "2"])
+    import kit.train.transformer
+    cfg = kit.arguments.parse_trainer_args("replica", ["--nlayers", str(nlayers), "--d-model", "2", "--n-head", "1",
+                                                       "--d-hid", "2", "--vocab-size", "8", "--seq-len", "2"])
     kit.train.setup.resolve(cfg, cuda=False)
     plan = kit.plan.plan_task(0, 0, 0, 1, [str(i) for i in range(nb_part)], nb_part, nlayers, nb_part)
     placed: dict[int, int] = {}
@@ -144,8 +146,8 @@ def ours_grouping(nlayers: int, nb_part: int) -> list[list[int]]:
         return module
 
     with mock.patch.object(torch.nn.Module, "to", to):
-        parts = b.build_module_list(cfg, plan)
-    return [[placed[id(m)] for m in part] for part in parts]
+        parts = (build or kit.train.transformer.module_list)(cfg, plan)
+    return [[placed.get(id(m), placed.get(id(part))) for m in part] for part in parts]
 
 
 def test_page_loop_mixes_two_gpus_in_one_partition_where_ours_does_not():

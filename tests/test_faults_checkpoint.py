@@ -19,9 +19,11 @@ import torch
 from launch import ROOT, bench, clean_env, mounted_tmpfs
 from local_slurm import free_port
 
-import bench_ddp_transformer as b
+import idr_torch
+import kit.arguments
 import kit.train.checkpoint
 import kit.train.errors
+import kit.train.launch
 import kit.train.setup
 
 SMALL = ["--synthetic", "300", "--nlayers", "2", "--batch-size", "32"]
@@ -54,7 +56,7 @@ def one_error(result: subprocess.CompletedProcess) -> str:
 
 # ---- a kill at each step of a save: the next reader finds a whole pair, old or new -----------------------------------
 def small_cfg():
-    cfg = b.parse_args(["--nlayers", "2"])
+    cfg = kit.arguments.parse_trainer_args("replica", ["--nlayers", "2"])
     kit.train.setup.resolve(cfg, False)
     return cfg
 
@@ -68,7 +70,8 @@ def pair(version: int) -> tuple[dict, dict]:
                                                        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999),
                                                                          "params": [0]}]},
               "epoch": version, "batch_in_epoch": 0, "step": 10 * version, "layout": kit.train.checkpoint.layout_of(small_cfg(), 2),
-              "engine": "fairscale", "rng": kit.train.checkpoint.rng_states(1), "args": {"lr": 1e-3}}
+              "engine": "fairscale", "rng": kit.train.checkpoint.rng_states(kit.train.launch.Tasks(idr_torch.current())),
+              "args": {"lr": 1e-3}}
     return model, resume
 
 
@@ -205,7 +208,7 @@ def test_full_disk_keeps_the_previous_pair(tmp_path, fails_at):
         assert "epoch   2 |" in r.stdout and len((tmp_path / "runs.jsonl").read_text().splitlines()) == 1
         assert r.stdout.count("checkpoint saved:") == 1 and "Traceback" not in r.stderr
         assert sorted(p.name for p in disk.iterdir()) == ["ckpt.pt", "ckpt.pt.resume.pt"]
-        cfg = b.parse_args(SMALL)
+        cfg = kit.arguments.parse_trainer_args("replica", SMALL)
         kit.train.setup.resolve(cfg, False)
         state = kit.train.checkpoint.read_resume(str(ckpt), cfg, 2)
         assert (state["epoch"], state["step"]) == (1, 9)
@@ -240,7 +243,7 @@ def test_sigterm_then_sigkill_during_a_save_then_resume(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
-    cfg = b.parse_args(args)
+    cfg = kit.arguments.parse_trainer_args("replica", args)
     kit.train.setup.resolve(cfg, False)
     state = kit.train.checkpoint.read_resume(str(ckpt), cfg, 2)  # whole: the digest of the model file matches
     assert state is not None and state["epoch"] >= 1, log.read_text()[-2000:]
@@ -317,7 +320,7 @@ CASES = ["save is a folder", "save is /dev/null", "save is a fifo", "companion i
 @pytest.mark.parametrize("case", CASES)
 def test_output_paths_are_checked(tmp_path, case):
     args, needle = outputs(tmp_path)[case]
-    cfg = b.parse_args(args)
+    cfg = kit.arguments.parse_trainer_args("replica", args)
     with pytest.raises(kit.train.errors.RunError, match=re.escape(needle)):
         kit.train.checkpoint.check_outputs(cfg)
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)

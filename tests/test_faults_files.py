@@ -22,7 +22,6 @@ from local_slurm import free_port
 from test_faults_checkpoint import SMALL, copy_of, one_epoch, one_error, small_disk  # noqa: F401 (a fixture)
 from test_train import write_imdb
 
-import bench_ddp_transformer as b
 import kit.train.checkpoint
 import kit.train.data
 import kit.train.errors
@@ -89,20 +88,17 @@ def test_a_lock_file_that_is_a_link_is_not_followed(tmp_path):
 
 
 FAILING_STARTUP = """
-import os, sys; sys.path.insert(0, {root!r})
-import bench_ddp_transformer as b
-import kit.train.checkpoint
+import os, runpy, sys; sys.path.insert(0, {root!r})
 import kit.train.data
-import kit.train.errors
-import kit.train.records
+import kit.train.run
 real = kit.train.data.data_source
 def data_source(cfg):  # before the tasks meet: an error that is not one of the kit's
     if os.environ["SLURM_PROCID"] == {rank!r}:
         raise OSError(5, "Input/output error", "/gpfs/lost")
     return real(cfg)
-b.data_source = data_source  # where run() looks it up
+kit.train.run.data_source = data_source  # where run() looks it up
 sys.argv = ["bench_ddp_transformer.py"] + {args!r}
-kit.train.errors.cli(b.main, "bench_ddp_transformer")
+runpy.run_path({trainer!r}, run_name="__main__")  # the page's script, as `python bench_ddp_transformer.py` runs it
 """
 
 
@@ -113,7 +109,7 @@ def test_any_startup_error_on_one_task_ends_every_task_at_once(tmp_path, rank):
     task, and every other task ends at the meeting naming it (task 0 dying there left task 1 waiting for
     --timeout + 15 s)."""
     args = [*SMALL, "--cache-dir", str(tmp_path), "--timeout", "300"]
-    results = run_tasks(["-c", FAILING_STARTUP.format(root=str(ROOT), rank=rank, args=args)], srun_envs(2),
+    results = run_tasks(["-c", FAILING_STARTUP.format(root=str(ROOT), rank=rank, args=args, trainer=TRAINER)], srun_envs(2),
                         timeout=150)
     other = 1 - int(rank)
     failed = results[int(rank)]
@@ -231,7 +227,7 @@ def test_a_record_cut_by_a_full_disk_is_taken_back(tmp_path, capsys):
         out = disk / "runs.jsonl"
         out.write_text('{"earlier": 1}\n')
         fill(disk)
-        cfg = b.parse_args(["--json-out", str(out)])
+        cfg = kit.arguments.parse_trainer_args("replica", ["--json-out", str(out)])
         record = {"time": "2025-01-01T00:00:00", "pad": "x" * 20000}
         with pytest.raises(kit.train.errors.RunError, match="the run finished, but its record could not be appended"):
             kit.train.records.write_record(cfg, record)
@@ -246,7 +242,7 @@ def test_an_empty_path_is_refused(option):
     with pytest.raises(kit.arguments.ArgumentError,
                        match=f"{option} '' is an empty path; give a file or folder, or leave "
                                                f"{option} out"):
-        b.parse_args([option, ""])
+        kit.arguments.parse_trainer_args("replica", [option, ""])
 
 
 def test_an_empty_save_is_one_line_from_the_trainer_and_the_checker():

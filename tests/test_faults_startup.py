@@ -68,7 +68,8 @@ def test_master_port_held_by_another_program(tmp_path):
 
 def test_rank0_master_address_of_another_host(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: resolves, never this host's
-    launch = type("L", (), {"master_addr": "192.0.2.1", "master_port": 12345, "rank": 0, "size": 2})()
+    launch = type("L", (), {"master_addr": "192.0.2.1", "master_port": 12345, "rank": 0, "size": 2,
+                            "master_addr_given": True, "agent_store": False})()
     with pytest.raises(kit.train.errors.TaskError,
                        match=r"node 192.0.2.1 \(MASTER_ADDR\) is 192.0.2.1, not an address of this host"):
         kit.train.launch.check_rendezvous(launch, 10)
@@ -76,21 +77,17 @@ def test_rank0_master_address_of_another_host(monkeypatch):
 
 # ---- a setup error after the Pipe's worker threads started: every task exits, promptly ------------------------------
 FAILING_SETUP = """
-import os, sys, torch; sys.path.insert(0, {root!r})
-import bench_ddp_transformer as b
-import kit.train.checkpoint
-import kit.train.data
-import kit.train.errors
-import kit.train.launch
+import os, runpy, sys, torch; sys.path.insert(0, {root!r})
 import kit.train.options
+import kit.train.replica
 real = kit.train.options.make_optimizer
 def make_optimizer(params, lr, zero, group=None):  # called by Replica.__init__ right after the Pipe is built
     if os.environ["SLURM_PROCID"] in {ranks!r}:
         return torch.optim.AdamW(params, lr=-1.0)  # AdamW's own ValueError, as --lr -1 gave
     return real(params, lr, zero, group)
-b.make_optimizer = make_optimizer  # where Replica looks it up
+kit.train.replica.make_optimizer = make_optimizer  # where Replica looks it up
 sys.argv = ["bench_ddp_transformer.py"] + {args!r}
-kit.train.errors.cli(b.main, "bench_ddp_transformer")
+runpy.run_path({trainer!r}, run_name="__main__")  # the page's script, as `python bench_ddp_transformer.py` runs it
 """
 
 
@@ -100,7 +97,8 @@ def test_setup_error_after_the_pipe_exits_within_timeout(tmp_path, failing):
     """Replica.__init__ raises after fairscale's worker threads started (they used to hang the process in
     fairscale's __del__ / join_workers, on both tasks, past --timeout): every task exits within --timeout."""
     args = [*SMALL, "--cache-dir", str(tmp_path), "--timeout", "60"]
-    code = FAILING_SETUP.format(root=str(ROOT), ranks=failing, args=args)
+    code = FAILING_SETUP.format(root=str(ROOT), ranks=failing, args=args,
+                                trainer=str(ROOT / "bench_ddp_transformer.py"))
     t0 = time.monotonic()
     results = run_tasks(["-c", code], srun_envs(2), timeout=150)
     assert time.monotonic() - t0 < 60, "a task outlived --timeout"

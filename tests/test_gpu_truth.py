@@ -16,7 +16,7 @@ import torch
 from launch import ROOT, bench, clean_env
 
 sys.path.insert(0, str(ROOT))
-import bench_ddp_transformer as trainer  # noqa: E402
+import kit.train.transformer as trainer  # noqa: E402 (the page's model: bench_ddp_transformer.py's)
 import kit.train.checkpoint  # noqa: E402
 import kit.train.loop  # noqa: E402
 import kit.arguments  # noqa: E402

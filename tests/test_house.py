@@ -1,6 +1,8 @@
 """The rules of the house (docs/architecture.md): one concern a module, each opening with what it owns and which of the
-kit's modules it may import (held here to its real imports), no import cycle, no module over 1,000 lines and no
-function over 60, and the checker's modules free of torch. Read off the sources with ast: nothing is imported."""
+kit's modules it may import (held here to its real imports, those under TYPE_CHECKING too), no import cycle, no arrow
+back up (kit/ never imports kit/train/, nor the kit the entry points), nothing imports the page's script but its own
+tests, idr_torch alone reads the launcher's variables, no module over 1,000 lines and no function over 60, and the
+checker's modules free of torch. Read off the sources with ast: nothing is imported."""
 from __future__ import annotations
 
 import ast
@@ -24,14 +26,11 @@ def name_of(path: Path) -> str:
 
 
 def kit_imports(path: Path) -> set[str]:
-    """The kit modules `path` imports when it runs (anywhere in it), not those under `if TYPE_CHECKING:`."""
+    """The kit modules `path` imports, anywhere in it: in a function, and under `if TYPE_CHECKING:` too (a type's
+    import is an arrow of the graph like any other: a circle through one is a circle)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and ast.unparse(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("kit.")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kit":
@@ -58,6 +57,37 @@ def test_each_module_says_what_it_owns_and_imports(path):
         f"{sorted(kit_imports(path))}")
 
 
+def test_kit_never_imports_the_trainers_machinery_or_the_scripts():
+    """The arrows run down: the entry points import kit/ and kit/train/, kit/train/ imports kit/, kit/ imports neither
+    kit/train/ nor an entry point (kit.own_model reached into kit/train/ for two small names: they live in kit/ now)."""
+    scripts = {Path(name).stem for name in ENTRY} - {"idr_torch"}  # idr_torch: the environment, below everything
+    for path in KIT:
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {f"kit.train.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                  and n.module == "kit" for a in n.names if a.name == "train"}
+        assert not names & scripts, f"{name_of(path)} imports {sorted(names & scripts)}: a script is not a library"
+        if "train" not in path.relative_to(ROOT / "kit").parts:
+            up = sorted(n for n in names if n == "kit.train" or n.startswith("kit.train."))
+            assert not up, f"{name_of(path)} imports {up}: kit/ never imports kit/train/ (move the name down into kit/)"
+
+
+# The page's own tests: the only files that may import bench_ddp_transformer (its loop against the kit's builder).
+PAGE_TESTS = {"tests/test_page.py"}
+
+
+def test_nothing_imports_the_pages_script_but_its_own_tests():
+    """bench_ddp_transformer.py is the page's code and its main: the trainers' runtime lives in kit/train/, and
+    bench_stage.py, the benchmarks, the tests' workers and the tests import it from there. An import of the page's
+    script anywhere else, a code string run in a child included (`python -c "import bench_ddp_transformer"`), is one."""
+    pattern = re.compile(r"^\s*(?:import\s+bench_ddp_transformer\b|from\s+bench_ddp_transformer\s+import\b)"
+                         r"|import [\w., ]*\bbench_ddp_transformer\b", re.M)
+    found = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py")) if p != Path(__file__).resolve()
+             and not p.relative_to(ROOT).parts[0].startswith(".") and pattern.search(p.read_text())]
+    assert set(found) == PAGE_TESTS, f"these import the page's script: {sorted(set(found) - PAGE_TESTS)}"
+
+
 def test_no_import_cycle():
     graph = {name_of(p): {m for m in kit_imports(p) if not m.endswith("__init__")} for p in KIT}
     state: dict[str, int] = {}
@@ -77,11 +107,16 @@ def test_no_import_cycle():
 
 
 def test_the_signals_module_imports_the_standard_library_only():
-    """The trainers import it before anything else, to hold the stop signals (tests/test_signals.py)."""
+    """The trainers import it before anything else, to hold the stop signals (tests/test_signals.py); idr_torch (the
+    standard library and python-hostlist) only inside the handler, when a Ctrl-C asks for the rank."""
     tree = ast.parse((ROOT / "kit" / "train" / "signals.py").read_text())
-    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in top if isinstance(n, ast.ImportFrom) and n.module}
     assert names <= set(sys.stdlib_module_names) | {"__future__"}, names - set(sys.stdlib_module_names)
+    inner = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    inner |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert inner - names - {"__future__", "collections.abc"} <= {"idr_torch", "os"}, inner
 
 
 def test_the_checkers_modules_import_no_torch():
@@ -107,15 +142,86 @@ def test_sizes(path):
     assert not long, f"{path.relative_to(ROOT)}: functions over {FUNCTION_LINES} lines: {', '.join(long)}"
 
 
-def test_the_page_script_opens_with_the_pages_code():
-    """bench_ddp_transformer.py: after the signals held and the imports, the page's model is the first thing
-    defined, and the page's names are there."""
+def test_the_page_script_shows_the_pages_code():
+    """bench_ddp_transformer.py: after the signals held and the imports, the page's model classes are imported from
+    kit/train/transformer.py under the page's names, and the first thing defined is the page's loop (nb_part,
+    first_part, last_part, module_list, tmp_list: the Encoder, each Layer, the Decoder), which main() hands to the
+    kit's Replica; the Pipe over it with --chunks and its DDP (ddp_mp_model) are the Replica's, in kit/train/."""
     tree = ast.parse((ROOT / "bench_ddp_transformer.py").read_text())
-    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    assert defined[:3] == ["Encoder", "Layer", "Decoder"], defined[:5]
-    text = (ROOT / "bench_ddp_transformer.py").read_text()
-    for name in ("nb_part", "first_part", "last_part", "chunks", "module_list", "ddp_mp_model"):
-        assert re.search(rf"\b{name}\b", text), name
+    imported = {a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "kit.train.transformer"
+                for a in n.names}
+    assert imported == {"Encoder", "Layer", "Decoder"}, imported
+    defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    loop = defined[0]
+    assert loop.name == "build_module_list", [n.name for n in defined]
+    assigned = {t.id for n in ast.walk(loop) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    assert {"nb_part", "first_part", "last_part", "module_list", "tmp_list"} <= assigned, assigned
+    called = {n.func.id for n in ast.walk(loop) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"Encoder", "Layer", "Decoder"} <= called and any(isinstance(n, ast.For) for n in ast.walk(loop)), called
+    main = next(n for n in defined if n.name == "main")
+    assert "Replica(cfg, plan, engine, own, build_module_list)" in ast.unparse(main)
+    replica = ast.unparse(ast.parse((ROOT / "kit" / "train" / "replica.py").read_text()))
+    assert "PipeModel(module_list, engine, cfg.chunks" in replica
+    assert "self.ddp_mp_model = DistributedDataParallel(self.model)" in replica
+
+
+# Where the launcher's variables are read: idr_torch alone (its tables: LAUNCHERS, COMMON, ALLOCATION). Any other
+# module reading one of them, or any SLURM_*, from the environment (os.environ, os.getenv, a Launch's env) asks
+# idr_torch instead; writing them (a child's environment, export_env's own) is not reading. The exceptions, each with
+# its reason:
+ENV_EXCEPTIONS = {
+    ("kit/site_slurm.py", "SLURM_CONF"): "the Slurm commands' own configuration file, which sacctmgr and scontrol read "
+                                         "themselves: the live site's cache is keyed by it; not a fact of the launch",
+    ("kit/steps.py", "SLURM_EXPORT_ENV"): "a job script's variable as kit.shell's reading holds it at an srun line "
+                                          "(launch.env), not this process's environment",
+}
+
+
+def launcher_variables() -> set[str]:
+    sys.path.insert(0, str(ROOT))
+    import idr_torch
+    tables = [*idr_torch.LAUNCHERS.values(), idr_torch.COMMON, idr_torch.ALLOCATION]
+    return {v for table in tables for names in table.values() for v in names} | {idr_torch.ELASTIC_RUN}
+
+
+def environment_reads(path: Path) -> list[tuple[int, str]]:
+    """(line, variable) of each read of a named variable from the environment: os.environ.get / [] / in,
+    os.getenv, and a Launch's env (`launch.env`)."""
+    def environment(node: ast.AST) -> bool:
+        text = ast.unparse(node)
+        return "environ" in text or text.endswith(".env") or text in ("env", "os.getenv", "getenv")
+
+    def name(node: ast.AST) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+    reads = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and node.args and name(node.args[0]):
+            func = node.func
+            if (isinstance(func, ast.Attribute) and func.attr in ("get", "pop") and environment(func.value)) \
+                    or ast.unparse(func) in ("os.getenv", "getenv"):
+                reads.append((node.lineno, name(node.args[0])))
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and name(node.slice) \
+                and environment(node.value):
+            reads.append((node.lineno, name(node.slice)))
+        elif isinstance(node, ast.Compare) and name(node.left) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and environment(node.comparators[0]):
+            reads.append((node.lineno, name(node.left)))
+    return reads
+
+
+def test_idr_torch_alone_reads_the_launchers_variables():
+    """"Rank 0 from the environment" was typed again in four modules, SLURM_CPUS_PER_TASK read in three besides
+    idr_torch: each is idr_torch's question now (env_rank, Launch.cpus_asked, allocation(), ...)."""
+    variables = launcher_variables()
+    assert {"SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_CPUS_PER_TASK", "MASTER_ADDR"} <= variables
+    files = [*KIT, *(ROOT / name for name in ENTRY if name != "idr_torch.py"),
+             *sorted((ROOT / "benchmarks").glob("*.py")), *sorted((ROOT / "slurm").glob("*.py"))]
+    found = [(str(p.relative_to(ROOT)), line, var) for p in files for line, var in environment_reads(p)
+             if (var in variables or var.startswith("SLURM_"))
+             and (str(p.relative_to(ROOT)), var) not in ENV_EXCEPTIONS]
+    assert not found, f"read from the environment outside idr_torch (ask idr_torch): {found}"
+    for (file, var), why in ENV_EXCEPTIONS.items():  # each exception still exists, or it goes
+        assert var in {v for _, v in environment_reads(ROOT / file)}, (file, var, why)
 
 
 @pytest.mark.parametrize("script", list(ENTRY))

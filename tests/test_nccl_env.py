@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
-import bench_ddp_transformer as b
 import kit.train.launch
 
 OLD = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
@@ -25,7 +25,7 @@ def test_flight_recorder_names_by_release(version):
 def installed_torches() -> list[Path]:
     """This venv's torch and the release lanes' (the Makefile's VENV_CACHE), where they were built."""
     cache = Path(os.environ.get("VENV_CACHE", Path.home() / ".cache/hybrid-kit/venvs"))
-    return [Path(b.torch.__file__).parent, *sorted(cache.glob("torch-*/lib/python3*/site-packages/torch"))]
+    return [Path(torch.__file__).parent, *sorted(cache.glob("torch-*/lib/python3*/site-packages/torch"))]
 
 
 @pytest.mark.parametrize("torch_dir", installed_torches(), ids=lambda p: p.parent.parent.parent.parent.name)
@@ -44,7 +44,7 @@ def test_the_names_are_what_the_release_reads_first(torch_dir):
 @pytest.mark.parametrize("version", ["2.6.0", "2.11.0+cu130"])
 def test_nccl_environment_sets_only_the_names_read_first(version, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(b.torch, "__version__", version)
+    monkeypatch.setattr(torch, "__version__", version)
     for name in (*OLD, *NEW, "TORCH_NCCL_DUMP_ON_TIMEOUT", "NCCL_DEBUG"):
         monkeypatch.delenv(name, raising=False)
     said = kit.train.launch.nccl_environment()
@@ -60,7 +60,7 @@ def test_a_new_name_exported_for_an_older_release_is_carried_over(monkeypatch, t
     """TORCH_FR_BUFFER_SIZE=500 exported by the user on 2.6, which does not read it: the value goes under the name
     2.6 reads; the user's value wins over the kit's 2000."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(b.torch, "__version__", "2.6.0")
+    monkeypatch.setattr(torch, "__version__", "2.6.0")
     for name in (*OLD, *NEW):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "500")

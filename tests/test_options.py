@@ -45,16 +45,14 @@ def resume_state(path: Path) -> dict:
 
 def replica(args: list[str]) -> torch.nn.Sequential:
     """The trainer's replica before any step (its modules, its seed), in this process."""
-    import bench_ddp_transformer as b
-    import kit.train.checkpoint
-    import kit.train.options
-    import kit.train.setup
+    import kit.arguments
     import kit.plan
-    cfg = b.parse_args(args)
+    import kit.train.parts
+    import kit.train.setup
+    cfg = kit.arguments.parse_trainer_args("replica", args)
     kit.train.setup.resolve(cfg, cuda=False)
-    torch.manual_seed(cfg.seed)
-    return torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers,
-                                                                      cfg.nb_part)))
+    return torch.nn.Sequential(*kit.train.parts.model_parts(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers,
+                                                                                     cfg.nb_part)))
 
 
 def initial_model(args: list[str]) -> dict[str, torch.Tensor]:
@@ -62,10 +60,8 @@ def initial_model(args: list[str]) -> dict[str, torch.Tensor]:
 
 
 def checkpointed_layers(args: list[str]) -> int:
-    import kit.train.checkpoint
-    import kit.train.options
-    import kit.train.setup
-    return sum(isinstance(m, kit.train.options.CheckpointedLayer) for m in replica(args).modules())
+    import kit.train.transformer
+    return sum(isinstance(m, kit.train.transformer.CheckpointedLayer) for m in replica(args).modules())
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-6,

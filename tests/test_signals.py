@@ -165,15 +165,13 @@ def holding():
     """hold_signal as this process's handler of the stop signals, as the trainer has it; put back afterwards."""
     before = {sig: signal.getsignal(sig) for sig in kit.train.signals.STOP_SIGNALS}
     kit.train.signals.hold_stop_signals()
-    kit.train.signals.PENDING_SIGNALS.clear()
-    kit.train.signals.CTRL_C.update(saving=0, ending=False, deferred=False)
+    kit.train.signals.HELD.reset()
     try:
         yield
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-        kit.train.signals.PENDING_SIGNALS.clear()
-        kit.train.signals.CTRL_C.update(saving=0, ending=False, deferred=False)
+        kit.train.signals.HELD.reset()
 
 
 class CtrlC:
@@ -186,7 +184,7 @@ class CtrlC:
 
 def test_ctrl_c_twice_stops_at_once(holding):
     kit.train.signals.hold_signal(signal.SIGINT, None)  # the first: held, acted on at the next step
-    assert kit.train.signals.PENDING_SIGNALS == ["SIGINT"]
+    assert kit.train.signals.HELD.pending == ["SIGINT"]
     with pytest.raises(KeyboardInterrupt):
         kit.train.signals.hold_signal(signal.SIGINT, None)
 
@@ -199,31 +197,31 @@ class Finalized:
 def test_ctrl_c_twice_in_a_finalizer_waits_for_the_next_step(holding):
     """Raised inside a __del__, the interrupt would be a traceback ("Exception ignored in ...", seen when the
     DataLoader's iterator shut its workers down) and lost: it waits for the next step instead."""
-    kit.train.signals.PENDING_SIGNALS.append("SIGINT")
+    kit.train.signals.HELD.pending.append("SIGINT")
     Finalized()
-    assert kit.train.signals.CTRL_C["deferred"]
+    assert kit.train.signals.HELD.deferred
     with pytest.raises(KeyboardInterrupt):
         kit.train.loop.StopRequest().agreed(1)
 
 
 def test_ctrl_c_twice_once_the_stop_is_agreed_lets_the_checkpoint_be(holding):
     """The stop is under way (its checkpoint comes next): a second Ctrl-C no longer cuts it short."""
-    kit.train.signals.PENDING_SIGNALS.append("SIGINT")
+    kit.train.signals.HELD.pending.append("SIGINT")
     assert kit.train.loop.StopRequest().agreed(1)
     kit.train.signals.hold_signal(signal.SIGINT, None)
-    assert kit.train.signals.PENDING_SIGNALS == ["SIGINT", "SIGINT"]
+    assert kit.train.signals.HELD.pending == ["SIGINT", "SIGINT"]
 
 
 def test_ctrl_c_inside_a_save_waits_for_the_whole_pair(holding, tmp_path):
     """The second Ctrl-C comes while torch.save writes: before, the KeyboardInterrupt raised inside torch.save came
     out as a RuntimeError about the zip file ("checkpoint not saved", and training went on). Now the save
     finishes, the pair is whole, then the interrupt stops the run."""
-    kit.train.signals.PENDING_SIGNALS.append("SIGINT")
+    kit.train.signals.HELD.pending.append("SIGINT")
     target = tmp_path / "ck.pt"
     weights = {"w": torch.arange(6.0)}
     with pytest.raises(KeyboardInterrupt):
         kit.train.checkpoint.save_checkpoint(str(target), weights, {"epoch": 1, "during": CtrlC()})
-    assert kit.train.signals.PENDING_SIGNALS == ["SIGINT", "SIGINT"]
+    assert kit.train.signals.HELD.pending == ["SIGINT", "SIGINT"]
     torch.testing.assert_close(torch.load(target), weights)
     companion = torch.load(kit.train.checkpoint.resume_file(target), weights_only=False)
     assert companion["during"] == 7 and companion["model_sha256"] == kit.train.checkpoint.file_digest(target)
@@ -233,7 +231,7 @@ def test_ctrl_c_once_during_a_save_is_held(holding, tmp_path):
     """A first Ctrl-C inside a save is only noted: the save is whole, the stop comes at the next step."""
     target = tmp_path / "ck.pt"
     kit.train.checkpoint.save_checkpoint(str(target), {"w": torch.ones(2)}, {"during": CtrlC()})
-    assert kit.train.signals.PENDING_SIGNALS == ["SIGINT"] and torch.load(kit.train.checkpoint.resume_file(target),
+    assert kit.train.signals.HELD.pending == ["SIGINT"] and torch.load(kit.train.checkpoint.resume_file(target),
                                                                           weights_only=False)["during"] == 7
 
 

@@ -357,9 +357,9 @@ def test_profile_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
 def stubbed_profile(out: Path, pad: int) -> subprocess.CompletedProcess:
     """speed_profile.py's main() with measure() stubbed (the real one takes a minute): a profile of `pad` bytes."""
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import speed_profile as sp, bench_ddp_transformer as b; "
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import speed_profile as sp, kit.train.errors as e; "
             f"sp.measure = lambda *a: {{'seconds': 1.0, 'key': {{'gpu': 'cpu', 'torch': '0'}}, 'pad': 'x' * {pad}}}; "
-            f"b.cli(lambda: sp.main(['--out', {str(out)!r}, *{TINY!r}]), 'speed_profile')")
+            f"e.cli(lambda: sp.main(['--out', {str(out)!r}, *{TINY!r}]), 'speed_profile')")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=clean_env(), cwd=ROOT)
 

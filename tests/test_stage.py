@@ -87,20 +87,16 @@ def test_stage_gradients_equal_the_plain_model(tmp_path, schedule, virtual, chun
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
 
     sys.path.insert(0, str(ROOT / "tests"))
-    import bench_ddp_transformer as b
-    import kit.train.loop
+    import kit.train.parts
     import kit.train.setup
     import bench_stage
-    import kit.arguments
     import kit.plan
-    import kit.releases
     from hybrid_step_worker import global_batch
     cfg = bench_stage.parse_args(args)
     kit.train.setup.resolve(cfg, cuda=False)
-    torch.manual_seed(cfg.seed)
     parts = 2 * virtual
-    reference = torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers,
-                                                                                 parts)))
+    reference = torch.nn.Sequential(*kit.train.parts.model_parts(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None,
+                                                                                          cfg.nlayers, parts)))
     x, y = global_batch(cfg, 2)  # 2 pipelines
     loss = torch.nn.functional.cross_entropy(reference(x), y)
     loss.backward()
@@ -147,15 +143,21 @@ def test_watchdog_ends_a_blocked_task():
 
 
 def test_both_layouts_have_every_member_of_the_trainer_protocol():
-    """train() and the functions it calls take a bench.Trainer: the page's Replica or the stage layout's Stages."""
+    """train() and the functions it calls take a kit.train.trainer.Trainer: the page's Replica or the stage layout's
+    Stages. Each sets every attribute the base only names, and writes every method the base leaves to it; the step
+    and the learning rate are the base's, one for both."""
     import inspect
-    import bench_ddp_transformer as b
-    import kit.train.loop
-    import kit.train.setup
     import bench_stage
-    members = sorted(set(kit.train.loop.Trainer.__annotations__) | {m for m in vars(kit.train.loop.Trainer) if not m.startswith("_")})
-    assert len(members) >= 20
-    for cls in (b.Replica, bench_stage.Stages):
+    import kit.train.replica
+    from kit.train.trainer import Trainer
+    attributes = sorted(a for a in Trainer.__annotations__ if not hasattr(Trainer, a))
+    methods = sorted(m for m, f in vars(Trainer).items() if inspect.isfunction(f)
+                     and "NotImplementedError" in inspect.getsource(f))
+    assert len(attributes) >= 8 and len(methods) >= 12, (attributes, methods)
+    assert "train_step" not in methods and "set_lr" not in methods
+    for cls in (kit.train.replica.Replica, bench_stage.Stages):
         source = inspect.getsource(cls)
-        missing = [m for m in members if not re.search(rf"(self\.{m}\b[^=]*=|def {m}\(|^    {m} = )", source, re.M)]
+        missing = [m for m in attributes if not re.search(rf"(self\.{m}\b[^=]*=|^    {m} = )", source, re.M)]
+        missing += [m for m in methods if getattr(cls, m) is getattr(Trainer, m)]
         assert not missing, f"{cls.__name__} lacks {missing}"
+        assert cls.train_step is Trainer.train_step and cls.set_lr is Trainer.set_lr  # the one step of both

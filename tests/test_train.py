@@ -70,16 +70,15 @@ def test_hybrid_equals_reference_model(tmp_path, engine, ntasks, chunks):
 
     # the reference: the same modules, same seed, one process, no Pipe, no DDP, the whole global batch
     sys.path.insert(0, str(ROOT / "tests"))
-    import bench_ddp_transformer as b
-    import kit.train.checkpoint
-    import kit.train.pipe
-    import kit.train.setup
+    import kit.arguments
     import kit.plan
+    import kit.train.parts
+    import kit.train.setup
     from hybrid_step_worker import global_batch
-    cfg = b.parse_args(args)
+    cfg = kit.arguments.parse_trainer_args("replica", args)
     kit.train.setup.resolve(cfg, cuda=False)
-    torch.manual_seed(cfg.seed)
-    reference = torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)))
+    reference = torch.nn.Sequential(*kit.train.parts.model_parts(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None,
+                                                                                          cfg.nlayers, 2)))
     x, y = global_batch(cfg, ntasks)
     loss = torch.nn.functional.cross_entropy(reference(x), y)
     loss.backward()
@@ -137,15 +136,16 @@ def test_save_is_the_pages_file_and_loads_back(tmp_path):
     common = ["--synthetic", "800", "--cache-dir", str(tmp_path), "--nlayers", "4", "--batch-size", "16"]
     saved = ok(bench([*common, "--epochs", "1", "--save", str(ckpt)], ntasks=2))
     assert saved.count("checkpoint saved:") == 1  # rank 0 alone writes it
-    import bench_ddp_transformer as b
-    import kit.train.checkpoint
-    import kit.train.pipe
-    import kit.train.setup
+    import kit.arguments
     import kit.plan
-    cfg = b.parse_args(common)
+    import kit.train.checkpoint
+    import kit.train.setup
+    import kit.train.transformer
+    cfg = kit.arguments.parse_trainer_args("replica", common)
     kit.train.setup.resolve(cfg, False)
     # the page's two lines, on the plain nn.Sequential of the page's module_list: the file is the state_dict
-    model = torch.nn.Sequential(*b.build_module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)))
+    model = torch.nn.Sequential(*kit.train.transformer.module_list(cfg, kit.plan.plan_task(0, 0, 0, 1, [], None,
+                                                                                            cfg.nlayers, 2)))
     model.load_state_dict(torch.load(ckpt))
     assert "0.0.embedding.weight" in torch.load(ckpt) and not any(k.startswith("module.") for k in torch.load(ckpt))
     resume = torch.load(kit.train.checkpoint.resume_file(ckpt), weights_only=False)  # what resuming needs, beside it
@@ -156,10 +156,10 @@ def test_save_is_the_pages_file_and_loads_back(tmp_path):
     # the Pipe model loaded from it computes what the plain model does
     code = f"""
 import sys, torch; sys.path.insert(0, {str(ROOT)!r})
-import bench_ddp_transformer as b, kit.plan, kit.train.pipe, kit.train.setup
-cfg = b.parse_args({common!r}); kit.train.setup.resolve(cfg, False)
+import kit.arguments, kit.plan, kit.train.parts, kit.train.pipe, kit.train.setup
+cfg = kit.arguments.parse_trainer_args('replica', {common!r}); kit.train.setup.resolve(cfg, False)
 plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers, 2)
-model = kit.train.pipe.PipeModel(b.build_module_list(cfg, plan), 'fairscale', 2, ['cpu', 'cpu'])
+model = kit.train.pipe.PipeModel(kit.train.parts.model_parts(cfg, plan), 'fairscale', 2, ['cpu', 'cpu'])
 model.load_state_dict(torch.load({str(ckpt)!r}))
 x = torch.randint(0, cfg.vocab_size, (6, cfg.seq_len), generator=torch.Generator().manual_seed(0))
 model.eval(); torch.save(model(x).detach(), {str(tmp_path / 'out.pt')!r}); model.close()
@@ -244,11 +244,11 @@ def test_pipe_workers_stop_and_the_process_exits(engine):
     # out of 4 on torch 2.13; a Pipe never torn down hangs instead. Several tries: it was a race.
     code = f"""
 import sys, threading, torch; sys.path.insert(0, {str(ROOT)!r})
-import bench_ddp_transformer as b, kit.plan, kit.train.pipe, kit.train.setup
+import kit.arguments, kit.plan, kit.train.parts, kit.train.pipe, kit.train.setup
 rpc = kit.train.pipe.init_rpc_for_pipe() if {engine!r} == 'torch-pipe' else None
-cfg = b.parse_args([]); kit.train.setup.resolve(cfg, False)
+cfg = kit.arguments.parse_trainer_args('replica', []); kit.train.setup.resolve(cfg, False)
 plan = kit.plan.plan_task(0, 0, 0, 1, [], None, cfg.nlayers)
-model = kit.train.pipe.PipeModel(b.build_module_list(cfg, plan), {engine!r}, 2, ['cpu', 'cpu'])
+model = kit.train.pipe.PipeModel(kit.train.parts.model_parts(cfg, plan), {engine!r}, 2, ['cpu', 'cpu'])
 assert model.workers, 'the Pipe started no worker thread'
 model.eval(); model(torch.randint(0, 100, (4, cfg.seq_len))).detach()
 model.close()

@@ -1,13 +1,15 @@
 """Checkpoints and resume: --save's pair (the page's model file and its companion), written atomically under a
 lock, the output files checked before training, and --resume's reading with a rule for every argument (its Arg's
-`resume`, kit.arguments.RESUME_RULES). Owns: RESUME_FORMAT, ARCHITECTURE, the checkpoint's format (docs/faults.md).
-Imports: kit.arguments, kit.plan, kit.train.errors, kit.train.launch, kit.train.signals.
+`resume`, kit.arguments.RESUME_RULES). Owns: RESUME_FORMAT, ARCHITECTURE, the checkpoint's format (docs/faults.md),
+Saves (a run's saves). Imports: kit.arguments, kit.findings, kit.plan, kit.train.errors, kit.train.launch,
+kit.train.signals, kit.train.trainer.
 """
 from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -31,12 +33,13 @@ import torch.distributed as dist
 import idr_torch
 import kit.arguments
 import kit.plan
-from kit.train.errors import PROG, RunError, first_line, log
-from kit.train.launch import HOST_GROUP, agree
+from kit.findings import first_line
+from kit.train.errors import RunError, log
+from kit.train.launch import Tasks
 from kit.train.signals import interrupts_held
 
-if TYPE_CHECKING:  # a type only: kit.train.loop imports this module
-    from kit.train.loop import Trainer
+if TYPE_CHECKING:  # a type only
+    from kit.train.trainer import Trainer
 
 
 RESUME_FORMAT = "bench_ddp_transformer/resume/1"  # the companion file of --save (what resuming needs)
@@ -196,15 +199,15 @@ def layout_of(cfg: argparse.Namespace, nb_part: int) -> dict:
             **({"model": own} if own else {})}
 
 
-def rng_states(world: int) -> list[dict] | None:
+def rng_states(tasks: Tasks) -> list[dict] | None:
     """Every rank's random state (dropout masks differ per replica), gathered on rank 0 for its checkpoint: byte
     tensors and Python's (version, tuple of ints, None), which weights_only loads as they were."""
     mine = {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    if world == 1:
+    if tasks.launch.size == 1:
         return [mine]
-    everyone: list | None = [None] * world if idr_torch.rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0, group=HOST_GROUP[0])
+    everyone: list | None = [None] * tasks.launch.size if tasks.launch.rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0, group=tasks.host_group)
     return everyone
 
 
@@ -306,8 +309,18 @@ def settle_pair(target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batches: int, n_batches: int, step: int,
-                  world: int) -> bool:
+@dataclasses.dataclass
+class Saves:
+    """A run's checkpoints as rank 0 knows them (train() makes one and passes it on): the corpus the run reads (what
+    a save records of its data, and a resume checks: corpus_identity; empty for a --model on synthetic batches),
+    what the --save file holds, and why the last save failed (None: it did not)."""
+    corpus: dict = dataclasses.field(default_factory=dict)
+    on_disk: str | None = None
+    failed: str | None = None
+
+
+def save_progress(cfg: argparse.Namespace, trainer: Trainer, tasks: Tasks, saves: Saves, epoch: int, batches: int,
+                  n_batches: int, step: int) -> bool:
     """Every rank calls it (the RNG states, and the stage layout's consolidation, are collectives); rank 0
     writes --save and its companion. epoch: the one in progress (from 0), `batches` of its `n_batches` done: all of
     them is the epoch done, fewer (a stop signal, --max-steps) a point inside it that --resume goes on from.
@@ -318,8 +331,8 @@ def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batches
     done = batches == n_batches
     epoch, batch_in_epoch = (epoch + 1, 0) if done else (epoch, batches)
     state = trainer.state()
-    rngs = rng_states(world)
-    if idr_torch.rank != 0:
+    rngs = rng_states(tasks)
+    if tasks.launch.rank != 0:
         return True
     model_state, optimizer_state = state
     try:
@@ -327,25 +340,17 @@ def save_progress(cfg: argparse.Namespace, trainer: Trainer, epoch: int, batches
             "format": RESUME_FORMAT, "optimizer": optimizer_state, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
             "samples_in_epoch": batch_in_epoch * cfg.batch_size * trainer.dp_size,
             "step": step, "layout": layout_of(cfg, trainer.nb_part), "engine": trainer.engine, "rng": rngs,
-            "data": dict(CORPUS),
+            "data": dict(saves.corpus),
             "args": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, type(None)))}})
     except (OSError, RuntimeError) as exc:  # torch.save wraps the OSError of a failed write in a RuntimeError
         kept = (f"the previous checkpoint {cfg.save} (with its {resume_file(cfg.save).name}) is kept"
                 if Path(cfg.save).expanduser().exists() else f"there is no previous checkpoint in {cfg.save}")
-        SAVES["failed"] = f"epoch {epoch}, step {step}: {write_failure(exc)}"
-        print(f"{PROG[0]}: error: checkpoint not saved (epoch {epoch}, step {step}): {write_failure(exc)}; {kept}; "
+        saves.failed = f"epoch {epoch}, step {step}: {write_failure(exc)}"
+        print(f"{tasks.prog}: error: checkpoint not saved (epoch {epoch}, step {step}): {write_failure(exc)}; {kept}; "
               "training goes on and the next save tries again", file=sys.stderr, flush=True)
         return False
-    SAVES.update(failed=None, on_disk=position_text(epoch, batch_in_epoch, step))
+    saves.failed, saves.on_disk = None, position_text(epoch, batch_in_epoch, step)
     return True
-
-
-# Rank 0's saves in this run: what the --save file holds, and why the last save failed (None: it did not)
-SAVES: dict = {"on_disk": None, "failed": None}
-
-
-# This run's corpus as read (load_corpus): what a checkpoint records, and a resume checks, of the data it trained on
-CORPUS: dict = {}
 
 
 def position_text(epoch: int, batch_in_epoch: int, step: int) -> str:
@@ -353,15 +358,15 @@ def position_text(epoch: int, batch_in_epoch: int, step: int) -> str:
     return f"epoch {epoch}" + (f" + {batch_in_epoch} batches" if batch_in_epoch else "") + f", step {step}"
 
 
-def check_last_save(cfg: argparse.Namespace) -> None:
+def check_last_save(cfg: argparse.Namespace, saves: Saves) -> None:
     """At the end of a run (rank 0): if the last save failed, the --save file is older than this run's end, and the
     run says so in one line and exits 1, instead of ending as if its checkpoint were current."""
-    if not SAVES["failed"] or idr_torch.rank != 0:
+    if not saves.failed or idr_torch.rank != 0:
         return
-    held = (f"{cfg.save} holds {SAVES['on_disk']}" if SAVES["on_disk"] else
+    held = (f"{cfg.save} holds {saves.on_disk}" if saves.on_disk else
             f"{cfg.save} holds an earlier run's checkpoint" if Path(cfg.save).exists() else
             f"there is no checkpoint in {cfg.save}")
-    raise RunError(f"training ended, but the last checkpoint was not saved ({SAVES['failed']}): {held}, not where "
+    raise RunError(f"training ended, but the last checkpoint was not saved ({saves.failed}): {held}, not where "
                    "this run ended; free space there (or give another --save) and run again with --resume to train "
                    "the rest again")
 
@@ -507,9 +512,10 @@ def rng_problem(rngs: list | None) -> str | None:
     return None
 
 
-def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None:
+def read_resume(path: str, cfg: argparse.Namespace, nb_part: int, corpus: dict | None = None) -> dict | None:
     """The companion that goes with the model file `path` (the settled one, or the staged one of a save killed after
-    its commit), checked against this run's layout; None if there is none (the page's own file)."""
+    its commit), checked against this run's layout and, where given, the corpus it reads (Saves.corpus); None if
+    there is none (the page's own file)."""
     target = Path(path).expanduser()
     companion, staged = resume_file(target), staged_file(target)
     if not companion.exists() and not staged.exists():
@@ -540,24 +546,25 @@ def read_resume(path: str, cfg: argparse.Namespace, nb_part: int) -> dict | None
         diff = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in mine.items() if theirs.get(k) != v)
         raise RunError(f"--load {path} was saved with another layout: {diff}; rerun with the saved values "
                        f"(e.g. --nb-part {theirs.get('nb_part')} --nlayers {theirs.get('nlayers')})")
-    check_resumed_settings(path, cfg, state)
+    check_resumed_settings(path, cfg, state, corpus or {})
     return state
 
 
-def check_resumed_settings(path: str, cfg: argparse.Namespace, state: dict) -> None:
-    """Each setting this run gives another value than the saved run: refused in one line, or applied and said."""
+def check_resumed_settings(path: str, cfg: argparse.Namespace, state: dict, corpus: dict) -> None:
+    """Each setting this run gives another value than the saved run: refused in one line, or applied and said
+    (`corpus`: what this run reads, Saves.corpus; empty: not checked)."""
     saved, data = state.get("args") or {}, state.get("data") or {}
     if "seed" in saved and saved["seed"] != cfg.seed:
         raise RunError(f"--seed {cfg.seed}: {path} was saved by a run with --seed {saved['seed']}, which fixes the "
                        "order of the data that this resume continues (each epoch is shuffled with seed + epoch); "
                        f"rerun with --seed {saved['seed']}, or start a new run (another --save) with --seed "
                        f"{cfg.seed}")
-    if data and CORPUS and data != CORPUS:
+    if data and corpus and data != corpus:
         def text(d: dict) -> str:
             return f"{d.get('train')} training reviews, vocabulary {str(d.get('vocab_sha256'))[:8]}"
         given = (f"--data-dir {saved['data_dir']}" if saved.get("data_dir") else
                  f"--synthetic {saved['synthetic']}" if saved.get("synthetic") else "its data")
-        raise RunError(f"--load {path} was trained on another corpus ({text(data)}; this run reads {text(CORPUS)}): "
+        raise RunError(f"--load {path} was trained on another corpus ({text(data)}; this run reads {text(corpus)}): "
                        "its place in the epoch and the words of its embedding rows belong to that one; rerun with "
                        f"{given}, or, to start from its weights alone, copy {path} without its "
                        f"{resume_file(path).name} and --load the copy")
@@ -575,25 +582,25 @@ def _shown(value: object) -> str:
         str(value)
 
 
-def resume_point(cfg: argparse.Namespace, trainer: Trainer) -> tuple[int, int, int, dict | None]:
+def resume_point(cfg: argparse.Namespace, trainer: Trainer, tasks: Tasks, saves: Saves
+                 ) -> tuple[int, int, int, dict | None]:
     """--load, or --resume's --save file if it exists, into the model on every rank (before DDP wraps it):
     (epoch, batch in that epoch, step, the companion), or a fresh start. A file without a companion (the
     page's own) gives the weights and a fresh optimizer, from epoch 0. Every task reads the files itself (a
-    folder one node cannot see, a file truncated on one): their verdicts are gathered (agree)."""
-    launch = idr_torch.current()
+    folder one node cannot see, a file truncated on one): their verdicts are gathered (Tasks.agree)."""
     found = bool(cfg.resume and not cfg.load and Path(cfg.save).expanduser().exists())
     load = cfg.load or (cfg.save if found else None)
     problem, state = None, None
     if load:
         try:
-            model_state, state = read_model(load), read_resume(load, cfg, trainer.nb_part)
+            model_state, state = read_model(load), read_resume(load, cfg, trainer.nb_part, saves.corpus)
             trainer.load(model_state, state["optimizer"] if state else None)
         except RunError as exc:
             problem = str(exc)
         except (RuntimeError, ValueError, KeyError, IndexError) as exc:
             problem = (f"--load {load} does not fit this model ({first_line(exc)[:160]}); rerun with the options it "
                        "was saved with" + (f": {state.get('args')}" if state else ""))
-    seen = agree(problem, launch, found)
+    seen = tasks.agree(problem, found)
     if len(set(seen)) > 1:
         raise RunError(f"--resume: {cfg.save} exists for task(s) {[r for r, s in enumerate(seen) if s]} but not for "
                        f"task(s) {[r for r, s in enumerate(seen) if not s]}: every task loads it; keep --save on a "
@@ -606,9 +613,9 @@ def resume_point(cfg: argparse.Namespace, trainer: Trainer) -> tuple[int, int, i
     start_epoch, step = state["epoch"], state["step"]
     log(f"loaded {load}: {position_text(start_epoch, state['batch_in_epoch'], step)}")
     if load == cfg.save:
-        SAVES["on_disk"] = position_text(start_epoch, state["batch_in_epoch"], step)
+        saves.on_disk = position_text(start_epoch, state["batch_in_epoch"], step)
     skip = batches_to_skip(state, cfg.batch_size * trainer.dp_size)
-    per_epoch = CORPUS.get("train", 0) // trainer.dp_size // cfg.batch_size  # as make_loaders' drop_last cuts it
+    per_epoch = saves.corpus.get("train", 0) // trainer.dp_size // cfg.batch_size  # as make_loaders' drop_last cuts it
     if skip and skip >= per_epoch > 0:  # the save's samples cover every batch this run's epoch holds
         log(f"  epoch {start_epoch + 1}: skipped, its {per_epoch} batches of {cfg.batch_size} x {trainer.dp_size} "
             "replica(s) were all trained before the save")
@@ -686,7 +693,8 @@ class SaveLock:
             os.close(fd)
         else:
             raise RunError(f"--save {save}: its lock file {lock} keeps being replaced; is another run starting?")
-        me = {"job": os.environ.get("SLURM_JOB_ID"), "job_name": os.environ.get("SLURM_JOB_NAME"),
+        launch = idr_torch.current()
+        me = {"job": launch.job_id, "job_name": launch.job_name,
               "host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         held = cls(lock, fd)
         try:

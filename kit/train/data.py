@@ -1,7 +1,7 @@
 """The data: IMDB from a folder or its tarball (bounded reads), the synthetic corpus, the tokenizer and vocabulary,
 the tokenised cache shared by the tasks, the DataLoaders and their workers (which ignore the job's stop signals).
-Owns: CACHE_FORMAT and the corpus limits. Imports: kit.train.checkpoint, kit.train.errors, kit.train.launch,
-kit.train.signals.
+Owns: CACHE_FORMAT and the corpus limits. Imports: kit.findings, kit.train.checkpoint, kit.train.errors,
+kit.train.launch, kit.train.signals.
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from typing import Callable
 
 import torch
 
-import idr_torch
-from kit.train.checkpoint import (CORPUS, NotAFile, atomic_torch_save, corpus_identity, load_refusal,
-    load_weights_only, open_regular, write_failure)
-from kit.train.errors import RunError, first_line, log
-from kit.train.launch import agree
+from kit.findings import first_line
+from kit.train.checkpoint import NotAFile, atomic_torch_save, load_refusal, load_weights_only, open_regular, \
+    write_failure
+from kit.train.errors import RunError, log
+from kit.train.launch import Tasks
 from kit.train.signals import STOP_SIGNALS
 
 
@@ -291,24 +291,26 @@ def read_cache(cache: Path, cfg: argparse.Namespace) -> dict | None:
     return None
 
 
-def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dict:
+def load_corpus(cfg: argparse.Namespace, source: Path | None, tasks: Tasks) -> dict:
     """Tokenised tensors, built once by rank 0 and cached; the other ranks wait, then load the cache (or build their
-    own where they cannot see it). What each task found is gathered (agree): one that cannot read the data stops all."""
+    own where they cannot see it). What each task found is gathered (Tasks.agree): one that cannot read the data
+    stops all."""
     cache_dir = Path(cfg.cache_dir or os.environ.get("SCRATCH") or
                      (source.parent if source is not None and os.access(source.parent, os.W_OK) else ".cache"))
     name, cache, key = "synthetic" if source is None else "imdb", None, None  # rank 0 computes the key; others take it
-    launch, data, problem = idr_torch.current(), None, None
-    if launch.rank == 0:
+    data, problem = None, None
+    if tasks.launch.rank == 0:
         try:
             key = cache_key(cfg, source)
             cache = cache_dir / f"{name}-{key}.pt"
             data = read_cache(cache, cfg) or build_corpus(cfg, source, cache)
         except RunError as exc:
             problem = str(exc)
-    key = agree(problem, launch, key)[0]  # rank 0's verdict on the data, before the others read what it cached
+    key = tasks.agree(problem, key)[0]  # rank 0's verdict on the data, before the others read what it cached
     cache = cache_dir / f"{name}-{key}.pt"
-    # agree() above is the barrier, on gloo (HOST_GROUP), never nccl's: nccl's barrier() picks global rank % GPUs per
-    # node, not the current device, and would put task 1 on task 0's GPU (docs/gpu.md, the rule per release)
+    # agree() above is the barrier, on gloo (the tasks' host group), never nccl's: nccl's barrier() picks global
+    # rank % GPUs per node, not the current device, and would put task 1 on task 0's GPU (docs/gpu.md, the rule
+    # per release)
     problem = None
     try:
         if data is None:
@@ -316,8 +318,7 @@ def load_corpus(cfg: argparse.Namespace, source: Path | None, world: int) -> dic
         check_classes(data, source, cfg)
     except RunError as exc:
         problem = str(exc)
-    agree(problem, launch)
-    CORPUS.update(corpus_identity(data))
+    tasks.agree(problem)
     return data
 
 

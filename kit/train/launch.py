@@ -1,12 +1,14 @@
 """The tasks meeting: the rendezvous checked before init_process_group (a wrong MASTER_ADDR or port is one line,
-not a hang), start-up problems agreed across the tasks (agree), nccl's environment by torch release (the flight
-recorder's names), the CPU-side gloo group; and a task that hangs: its stacks on stderr and the Watchdog.
-Owns: HOST_GROUP, TASK_GPUS. Imports: idr_torch, kit.train.errors.
+not a hang), the process group itself (init_distributed: the page's dist.init_process_group) and the CPU-side gloo
+group, start-up problems agreed across the tasks (Tasks.agree), nccl's environment by torch release (the flight
+recorder's names); and a task that hangs: its stacks on stderr and the Watchdog.
+Owns: Tasks (the run's tasks once they met). Imports: idr_torch, kit.findings, kit.train.errors.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import errno
 import os
 import re
@@ -14,18 +16,15 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import idr_torch
-from kit.train.errors import PROG, Quiet, RunError, TaskError, first_line
-
-
-HOST_GROUP: list = [None]  # the gloo group for CPU-side collectives (None: the default group is gloo already)
-
-TASK_GPUS: list[int] = []  # this task's GPUs, first_part first (use_gpus); empty without a GPU
+from kit.findings import first_line
+from kit.train.errors import Quiet, RunError, TaskError, log
 
 
 def flight_recorder_names(torch_version: str) -> tuple[str, str]:
@@ -120,29 +119,62 @@ def this_task(launch: idr_torch.Launch) -> str:
     return f"task {launch.rank} on {socket.gethostname()}: " if launch.size > 1 else ""
 
 
-def agree(problem: str | None, launch: idr_torch.Launch, value: object = None) -> list:
-    """Every task's verdict on what it read or wrote alone (the folders of its node, files truncated on one node,
-    the --load file on node-local storage), gathered on the CPU group: a task that failed says its own error
-    (prefixed with its rank and host), the first task that did not says which failed, the others stop quietly;
-    the same error on every task is said once. Returns every task's `value` when no task failed."""
-    if launch.size == 1:
+@dataclasses.dataclass
+class Tasks:
+    """The run's tasks once they met (init_distributed makes it; run() passes it down): who this task is (idr_torch's
+    Launch), the group its CPU-side collectives run on, and the program's name in their error lines."""
+    launch: idr_torch.Launch
+    host_group: dist.ProcessGroup | None = None  # gloo; None: the default group is gloo already (no GPU)
+    prog: str = "bench_ddp_transformer"
+
+    def agree(self, problem: str | None, value: object = None) -> list:
+        """Every task's verdict on what it read or wrote alone (the folders of its node, files truncated on one node,
+        the --load file on node-local storage), gathered on the CPU group: a task that failed says its own error
+        (prefixed with its rank and host), the first task that did not says which failed, the others stop quietly;
+        the same error on every task is said once. Returns every task's `value` when no task failed."""
+        launch = self.launch
+        if launch.size == 1:
+            if problem:
+                raise RunError(problem)
+            return [value]
+        verdicts: list = [None] * launch.size
+        dist.all_gather_object(verdicts, (problem, socket.gethostname(), value), group=self.host_group)
+        failed = [(rank, host, p) for rank, (p, host, _) in enumerate(verdicts) if p]
+        if not failed:
+            return [v for _, _, v in verdicts]
+        if len(failed) == launch.size and len({p for _, _, p in failed}) == 1:
+            raise RunError(problem)  # said once, by task 0
         if problem:
-            raise RunError(problem)
-        return [value]
-    verdicts: list = [None] * launch.size
-    dist.all_gather_object(verdicts, (problem, socket.gethostname(), value), group=HOST_GROUP[0])
-    failed = [(rank, host, p) for rank, (p, host, _) in enumerate(verdicts) if p]
-    if not failed:
-        return [v for _, _, v in verdicts]
-    if len(failed) == launch.size and len({p for _, _, p in failed}) == 1:
-        raise RunError(problem)  # said once, by task 0
-    if problem:
-        raise TaskError(f"{this_task(launch)}{problem}")
-    if launch.rank == min(rank for rank, (p, _, _) in enumerate(verdicts) if not p):
-        rank, host, p = failed[0]
-        more = f" (and {len(failed) - 1} other task(s))" if len(failed) > 1 else ""
-        raise TaskError(f"{this_task(launch)}stopping: task {rank} on {host} failed{more}: {p[:300]}")
-    raise Quiet()
+            raise TaskError(f"{this_task(launch)}{problem}")
+        if launch.rank == min(rank for rank, (p, _, _) in enumerate(verdicts) if not p):
+            rank, host, p = failed[0]
+            more = f" (and {len(failed) - 1} other task(s))" if len(failed) > 1 else ""
+            raise TaskError(f"{this_task(launch)}stopping: task {rank} on {host} failed{more}: {p[:300]}")
+        raise Quiet()
+
+
+def init_distributed(timeout: float, cuda: bool, gpus: list[int], prog: str = "bench_ddp_transformer") -> Tasks:
+    """The page's dist.init_process_group(backend='nccl', init_method='env://', world_size=idr_torch.size,
+    rank=idr_torch.rank); gloo where there is no GPU. `gpus`: this task's GPUs, first_part first
+    (kit.train.setup.use_gpus); [] without one. Returns the Tasks, with the CPU side's gloo group.
+
+    device_id= binds the nccl group to one GPU: its communicator is created here (an error shows at start-up, not
+    at the first collective), barrier() uses it, and subgroups are split from it. But any collective on another GPU
+    then raises "Attempt to perform collective on tensor not on device passed to init_process_group"
+    (ProcessGroupNCCL::getNCCLComm, every release from 2.3.1 to 2.14.1), and DDP all-reduces each bucket on the GPU
+    of its parameters: so only a task whose parts are all on one GPU binds (nb_part 1, the stage layout, --devices
+    0,0); the page's multi-GPU replica does not."""
+    if cuda:
+        log(f"nccl: {nccl_environment()}")
+    report_hangs()
+    idr_torch.export_env()  # MASTER_ADDR/PORT (kept if already set), RANK, WORLD_SIZE, LOCAL_RANK
+    bind = {"device_id": torch.device("cuda", gpus[0])} if cuda and len(gpus) == 1 else {}
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", world_size=idr_torch.size,
+                            rank=idr_torch.rank, timeout=timedelta(seconds=timeout), **bind)
+    # The CPU side's collectives (the stop flag, Python objects, the data barrier) run on gloo: on nccl an object
+    # collective goes to the current device and syncs its stream (_object_to_tensor(obj, "cuda") in 2.3.1 to
+    # 2.14.1), and a barrier picks a GPU by its own guess (see kit.train.data.load_corpus).
+    return Tasks(idr_torch.current(), dist.new_group(backend="gloo") if cuda else None, prog)
 
 
 def check_rendezvous(launch: idr_torch.Launch, timeout: float) -> None:
@@ -151,7 +183,7 @@ def check_rendezvous(launch: idr_torch.Launch, timeout: float) -> None:
     160 lines of C++ frames after 2.6 x --timeout (an unresolvable name) or a task that waits for minutes on a
     port another program holds."""
     addr, port = launch.master_addr, launch.master_port
-    given = "MASTER_ADDR" in os.environ
+    given = launch.master_addr_given
     where = f"node {addr} ({'MASTER_ADDR' if given else 'the first node of the step, where task 0 runs'})"
     fix = ("export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1), or unset it: the kit "
            "then uses the step's first node" if given else "check the node names Slurm gives (SLURM_STEP_NODELIST)")
@@ -170,7 +202,7 @@ def check_rendezvous(launch: idr_torch.Launch, timeout: float) -> None:
     if "ips" not in found:
         why = found.get("error") or f"no answer within {limit:g}s"
         raise TaskError(f"{this_task(launch)}{where} does not resolve ({why}): the tasks cannot meet; {fix}")
-    if launch.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if launch.rank != 0 or launch.agent_store:
         return  # torchrun's agent serves the rendezvous itself, on this port: nothing for task 0 to check
     if not any(local_address(ip) for ip in found["ips"]):
         raise TaskError(f"{this_task(launch)}{where} is {', '.join(found['ips'])}, not an address of this host "
@@ -208,7 +240,7 @@ def local_address(ip: str) -> bool:
 
 
 @contextlib.contextmanager
-def rendezvous_deadline(launch: idr_torch.Launch, timeout: float):
+def rendezvous_deadline(launch: idr_torch.Launch, timeout: float, prog: str = "bench_ddp_transformer"):
     """init_process_group within --timeout, said in one line. A task whose peer on MASTER_PORT is another program
     (it accepts the connection and never answers) waited 200 s at --timeout 30, in C++, where no Python exception
     reaches it: a timer ends it at --timeout + 15 s."""
@@ -217,7 +249,7 @@ def rendezvous_deadline(launch: idr_torch.Launch, timeout: float):
             if launch.size > 1 else f"the process group did not start at {where} within --timeout {timeout:g}s")
 
     def give_up() -> None:
-        print(f"{PROG[0]}: error: {what}: task 0 is not serving the rendezvous there (it failed to start: see its "
+        print(f"{prog}: error: {what}: task 0 is not serving the rendezvous there (it failed to start: see its "
               "error; or the port is another program's); every task stops", file=sys.stderr, flush=True)
         os._exit(1)
 

@@ -1,8 +1,8 @@
-"""The training loop both layouts share (bench_ddp_transformer.py's Replica, bench_stage.py's Stages, through the
-Trainer protocol): epochs, the learning-rate schedule, timed steps without a host sync, evaluation, the agreed stop
-and its checkpoint, the replicas' fingerprint, the end of the run. Owns: the schedule (LR_FLOOR).
-Imports: idr_torch, kit.arguments, kit.memory, kit.train.checkpoint, kit.train.data, kit.train.errors,
-kit.train.launch, kit.train.own, kit.train.records, kit.train.setup, kit.train.signals.
+"""The training loop both layouts share (kit.train.replica's Replica, bench_stage.py's Stages: a kit.train.trainer
+Trainer): epochs, the learning-rate schedule, timed steps without a host sync, evaluation, the agreed stop and its
+checkpoint, the end of the run and its record. Owns: the schedule (LR_FLOOR).
+Imports: idr_torch, kit.arguments, kit.train.checkpoint, kit.train.data, kit.train.errors, kit.train.launch,
+kit.train.own, kit.train.records, kit.train.setup, kit.train.signals, kit.train.trainer.
 """
 from __future__ import annotations
 
@@ -15,77 +15,49 @@ import psutil
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import idr_torch
 import kit.arguments
-import kit.memory
-from kit.train.checkpoint import ARCHITECTURE, restore_rng, resume_point, save_progress
+from kit.train.checkpoint import ARCHITECTURE, Saves, check_last_save, corpus_identity, restore_rng, resume_point, \
+    save_progress
 from kit.train.data import load_corpus, make_loader
 from kit.train.errors import RunError, log
-from kit.train.launch import HOST_GROUP
+from kit.train.launch import Tasks
 from kit.train.own import SYNTHETIC_LOSS, synthetic_corpus
 from kit.train.records import chance_accuracy, speed_text, throughput, write_record
 from kit.train.setup import cpu_threads
-from kit.train.signals import CTRL_C, PENDING_SIGNALS, hold_stop_signals, interrupt_if_deferred
-
-
-class Trainer(Protocol):
-    """What the training loop (train() and the functions it calls) uses of a layout: Replica below (the page's), or
-    bench_stage.py's Stages (a task per GPU)."""
-    name: str  # "replica" or "stage"
-    engine: str  # the pipeline engine: torch-pipe, fairscale or pipelining
-    equal_batches: bool  # the layout needs every batch the same size (the short last one dropped)
-    nb_part: int  # parts of one replica
-    dp_size: int  # replicas
-    dp_rank: int  # this task's replica (its share of the data)
-    stats_device: torch.device | str  # where the loss and accuracy live: the same part on every task
-    total_params: int
-    memory: str  # the start-up line of the memory estimate
-    estimate_gib: float  # the estimated peak of one GPU (kit.memory.worst_part: both layouts are modelled)
-
-    def describe(self) -> str: ...
-    def load(self, model_state: dict, optimizer_state: dict | None) -> None: ...
-    def start(self) -> None: ...
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
-    def set_lr(self, lr: float) -> None: ...
-    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
-    def state(self) -> tuple[dict, dict] | None: ...
-    def synchronize(self) -> None: ...
-    def peak_memory_gb(self) -> float: ...
-    def divergence(self) -> float: ...
-    def placement(self, launch: idr_torch.Launch) -> dict: ...
-    def record(self) -> dict: ...
-    def close(self) -> None: ...
+from kit.train.signals import HELD, hold_stop_signals
+from kit.train.trainer import Trainer
 
 
 class StopRequest:
     """SIGUSR1 (Slurm's --signal=USR1@seconds before the time limit), SIGTERM (scancel, preemption) or SIGINT
     (Ctrl-C), held by hold_signal since start-up: finish the current step, checkpoint, exit 75. Every rank must stop
     at the same step, or DDP would wait for the missing ones forever: the flags are OR-ed across ranks after every
-    step, on the CPU (gloo), so the GPU stream is never synchronised for it."""
+    step, on the CPU (gloo: the tasks' host group), so the GPU stream is never synchronised for it."""
     EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the templates requeue on it
 
-    def __init__(self) -> None:
-        self.flag = torch.zeros(1)
+    def __init__(self, host_group: dist.ProcessGroup | None = None) -> None:
+        self.flag, self.host_group = torch.zeros(1), host_group
         if threading.current_thread() is threading.main_thread():  # the program holds them already; an importer not
             hold_stop_signals()
 
     @property
     def signal(self) -> str | None:
         """The first stop signal this task received (the reason), or None."""
-        return PENDING_SIGNALS[0] if PENDING_SIGNALS else None
+        return HELD.first
 
     def agreed(self, world: int) -> bool:
-        interrupt_if_deferred()
-        self.flag[0] = 1.0 if PENDING_SIGNALS else 0.0
+        HELD.interrupt_if_deferred()
+        self.flag[0] = 1.0 if HELD.pending else 0.0
         if world > 1:
-            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=HOST_GROUP[0])
-        CTRL_C["ending"] = stop = bool(self.flag[0] > 0)  # the stop's checkpoint next: Ctrl-C again does not cut it
+            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.host_group)
+        stop = bool(self.flag[0] > 0)
+        HELD.end(stop)  # the stop's checkpoint next: Ctrl-C again does not cut it
         return stop
 
 
@@ -98,26 +70,7 @@ def reduce_max(values: list[float], device: str, world: int) -> list[float]:
     return t.tolist()
 
 
-def fingerprint(modules: list[nn.Module]) -> torch.Tensor:
-    """Per-tensor (sum, sum of squares) in float64: equal on every replica when DDP did its job."""
-    with torch.no_grad():
-        return torch.stack([torch.stack([p.double().sum(), p.double().pow(2).sum()])
-                            for m in modules for p in m.parameters()]).flatten()
-
-
-def divergence(fp: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> float:
-    """Largest difference of fingerprints between the replicas of `group`. `fp` is on the stats device (the same
-    part on every task: one communicator, each task on its own GPU)."""
-    if size == 1:
-        return 0.0
-    everyone = [torch.empty_like(fp) for _ in range(size)]
-    dist.all_gather(everyone, fp, group=group)
-    gap = torch.stack([(e - everyone[0]).abs().max() for e in everyone]).max()
-    dist.all_reduce(gap, op=dist.ReduceOp.MAX)  # over every group
-    return gap.item()
-
-
-# the training loop, shared by both layouts (bench_stage.py's Stages has Replica's methods)
+# the training loop, shared by both layouts
 @dataclasses.dataclass
 class Epoch:
     """One epoch's progress, as train_epoch leaves it."""
@@ -132,18 +85,22 @@ class Epoch:
     lr: float | None = None  # the schedule's rate at the last step trained
 
 
-def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, source: Path | None,
-          cuda: bool) -> int:
-    """Data, the resume point, DDP, then per epoch: train, stop if asked, evaluate, save; the record."""
+def train(cfg: argparse.Namespace, trainer: Trainer, tasks: Tasks, source: Path | None, cuda: bool) -> int:
+    """Data, the resume point, DDP, then per epoch: train, stop if asked, evaluate, save; the record. A run whose
+    last saves failed does not end as if its checkpoint were current (check_last_save)."""
+    launch = tasks.launch
     world, rank, dp = launch.size, launch.rank, trainer.dp_size
     log(f"torch {torch.__version__}, {trainer.name} layout, backend {dist.get_backend()}, world size {world} on "
         f"{launch.num_nodes} node(s), chunks {cfg.chunks}, batch {cfg.batch_size}/replica "
         f"({cfg.batch_size * dp} global)")
     log(f"  {trainer.describe()}")
-    data = own_data(cfg, trainer) or load_corpus(cfg, source, world)
+    saves, data = Saves(), own_data(cfg, trainer)
+    if data is None:  # the kit's corpus (a --model on synthetic batches has none: nothing to record or check of it)
+        data = load_corpus(cfg, source, tasks)
+        saves.corpus = corpus_identity(data)
     train_loader, test_loader = make_loaders(cfg, data, trainer, launch, cuda)
     chance = chance_accuracy(data["test_y"])
-    start_epoch, skip, step, state = resume_point(cfg, trainer)  # loaded before DDP wraps the model
+    start_epoch, skip, step, state = resume_point(cfg, trainer, tasks, saves)  # loaded before DDP wraps the model
     end_epoch = cfg.epochs
     if start_epoch >= cfg.epochs:
         log(f"nothing to train: the checkpoint holds {start_epoch} epoch(s) and --epochs is {cfg.epochs}; raise "
@@ -157,7 +114,7 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ between replicas
     if state is not None:
         restore_rng(state, rank)
-    stop = StopRequest()
+    stop = StopRequest(tasks.host_group)
     log(f"  model: {trainer.total_params / 1e6:.2f} M parameters; {len(train_loader)} steps per epoch")
     log(f"  {trainer.memory}")
     history, startup_s = [], None
@@ -169,18 +126,19 @@ def train(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, s
         if startup_s is None and ep.first_batch_at is not None:  # imports, data, model: before step 1
             startup_s = ep.first_batch_at - psutil.Process().create_time()
         if stop.flag[0] > 0:  # agreed by every rank at the same step (a signal of its own alone is not)
-            return stop_and_checkpoint(cfg, trainer, ep, epoch, len(train_loader), stop, world)
+            return stop_and_checkpoint(cfg, trainer, tasks, saves, ep, epoch, len(train_loader), stop)
         skip = 0
         history.append(end_of_epoch(cfg, trainer, test_loader, epoch, ep, world, cuda))
         # --max-steps can end the run inside an epoch: the checkpoint says which batch, so that --resume goes on
         # from there (saved as a whole epoch, the rest of that epoch would never be trained)
-        if save_progress(cfg, trainer, epoch, ep.batches, len(train_loader), step, world):
+        if save_progress(cfg, trainer, tasks, saves, epoch, ep.batches, len(train_loader), step):
             log(f"  checkpoint saved: {cfg.save} (epoch {epoch + 1}"
                 + ("" if ep.batches == len(train_loader) else f" up to batch {ep.batches}/{len(train_loader)}")
                 + f", step {step})")
         if cfg.max_steps and step >= cfg.max_steps:
             break
-    finish(cfg, trainer, launch, history, startup_s, cuda, chance)
+    finish(cfg, trainer, tasks, history, startup_s, cuda, chance)
+    check_last_save(cfg, saves)
     return 0
 
 
@@ -352,10 +310,10 @@ def end_of_epoch(cfg: argparse.Namespace, trainer: Trainer, test_loader: torch.u
     return row
 
 
-def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Trainer, ep: Epoch, epoch: int, n_batches: int,
-                        stop: StopRequest, world: int) -> int:
+def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Trainer, tasks: Tasks, saves: Saves, ep: Epoch, epoch: int,
+                        n_batches: int, stop: StopRequest) -> int:
     """Every rank stopped at the same step: checkpoint where we are (mid-epoch too), exit 75 (requeue)."""
-    saved = save_progress(cfg, trainer, epoch, ep.batches, n_batches, ep.step, world)
+    saved = save_progress(cfg, trainer, tasks, saves, epoch, ep.batches, n_batches, ep.step)
     log(f"stopping on {stop.signal or 'a signal to another task'} at epoch {epoch + 1}, "
         f"batch {ep.batches}/{n_batches}, step {ep.step}: "
         + (f"checkpoint saved to {cfg.save}; run again with --resume (the templates requeue) to go on" if saved
@@ -364,13 +322,14 @@ def stop_and_checkpoint(cfg: argparse.Namespace, trainer: Trainer, ep: Epoch, ep
     return StopRequest.EXIT_CODE
 
 
-def finish(cfg: argparse.Namespace, trainer: Trainer, launch: idr_torch.Launch, history: list[dict],
-           startup_s: float | None, cuda: bool, chance: tuple[float, float] = (0.5, 0.02)) -> None:
+def finish(cfg: argparse.Namespace, trainer: Trainer, tasks: Tasks, history: list[dict], startup_s: float | None,
+           cuda: bool, chance: tuple[float, float] = (0.5, 0.02)) -> None:
     """The replica check, the summary line and the JSON record; a run that ends at chance says so in both."""
+    launch = tasks.launch
     gap = trainer.divergence()
     plans: list = [None] * launch.size  # where every task put its parts, for the record
     if launch.size > 1:
-        dist.all_gather_object(plans, trainer.placement(launch), group=HOST_GROUP[0])
+        dist.all_gather_object(plans, trainer.placement(launch), group=tasks.host_group)
     else:
         plans = [trainer.placement(launch)]
     log(f"replicas in sync: max parameter fingerprint difference {gap:.3g} over {trainer.dp_size} replica(s)")

@@ -1,7 +1,7 @@
 """The page's closing advice as options: --precision (autocast per part, a GradScaler for fp16),
---activation-checkpointing (CheckpointedLayer), --zero (ZeroRedundancyOptimizer), and the memory estimate's start-up
-line for this run. Owns: AUTOCAST_DTYPE. Imports: kit.arguments, kit.memory, kit.plan, kit.releases,
-kit.train.errors.
+--activation-checkpointing (its layer: kit.train.transformer.CheckpointedLayer), --zero (ZeroRedundancyOptimizer),
+and the memory estimate's start-up line for this run. Owns: Part, the optimizer. Imports: kit.arguments, kit.memory,
+kit.plan, kit.releases, kit.train.errors.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 import kit.arguments
 import kit.memory
@@ -23,13 +22,16 @@ from kit.train.errors import RunError
 
 # The page's closing advice as options: mixed precision (--precision), gradient checkpointing
 # (--activation-checkpointing) and ZeRO (--zero). Small pieces, so the memory benchmarks can use them as they are.
-AUTOCAST_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # each --precision's autocast dtype
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """--precision's autocast dtype (kit.arguments.AUTOCAST_DTYPE names it); fp32: None."""
+    name = kit.arguments.AUTOCAST_DTYPE[precision]
+    return None if name is None else getattr(torch, name)
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """--precision's autocast for code on `device_type` ('cuda' or 'cpu'); fp32: none. Autocast computes in low
     precision from the fp32 weights, which stay fp32: checkpoints hold fp32 and load into any precision."""
-    dtype = AUTOCAST_DTYPE[precision]
+    dtype = autocast_dtype(precision)
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
@@ -46,24 +48,6 @@ class Part(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with autocast(self.precision, x.device.type):
             return super().forward(x)
-
-
-class CheckpointedLayer(nn.TransformerEncoderLayer):
-    """A Layer for --activation-checkpointing: it keeps only its input for the backward pass and recomputes the
-    rest there. Same parameters and state_dict keys as a plain Layer, so checkpoints move between the two.
-
-    Non-reentrant torch.utils.checkpoint, which DDP supports "without any limitations"; the reentrant kind fails
-    under DDP when a layer is checkpointed more than once per step (the note on gradient checkpointing in
-    torch/nn/parallel/distributed.py). That is also why the Pipe's own checkpoint= must stay "never" under DDP:
-    fairscale's (and torch 2.3's) Checkpoint.backward runs a nested torch.autograd.backward over the recomputed
-    part (fairscale/nn/pipe/checkpoint.py), once per micro-batch, so DDP's hook sees each parameter ready once per
-    micro-batch; the failure measured here: docs/memory.md, --activation-checkpointing.
-    """
-
-    def forward(self, src: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
-            return super().forward(src, *args, **kwargs)
-        return checkpoint(super().forward, src, *args, use_reentrant=False, **kwargs)
 
 
 def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler | None:

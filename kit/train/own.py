@@ -1,9 +1,9 @@
 """The trainers' side of --model (issue 34): the user's layers checked before any process group (kit.own_split's
-plan, the checker's own), built for real and cut by that split into parts (kit.train.options.Part: autocast per
-part) for either layout; the data and the loss: a model that takes token ids (--sample BxS) and returns the kit's
-2 classes' logits trains on the kit's data and reports accuracy, any other one runs on synthetic batches drawn like
---sample with a stand-in loss, and the run says it measures speed, not learning.
-Owns: OwnModel, resolve_model, own_parts (and their checkpointing), the synthetic batches and loss.
+plan, the checker's own; kit.train.parts builds them for real and cuts them by that split for either layout), their
+checkpointing; the data and the loss: a model that takes token ids (--sample BxS) and returns the kit's 2 classes'
+logits trains on the kit's data and reports accuracy, any other one runs on synthetic batches drawn like --sample
+with a stand-in loss, and the run says it measures speed, not learning.
+Owns: OwnModel, resolve_model, recompute_in_backward, the synthetic batches and loss.
 Imports: kit.arguments, kit.memory, kit.model, kit.own_model, kit.own_split, kit.plan, kit.train.errors,
 kit.train.options, kit.train.signals.
 """
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import kit.arguments
@@ -23,10 +22,10 @@ import kit.plan
 from kit.model import default_sample, is_token_ids
 from kit.own_split import ModelPlan, plan_model
 from kit.train.errors import RunError
+from kit.train.options import device_arch, training_of
 from kit.train.signals import stoppable
-from kit.train.options import Part, device_arch, training_of
 
-NCLASSES = 2  # the kit's task: a review's two classes (bench_ddp_transformer.Decoder's head)
+NCLASSES = 2  # the kit's task: a review's two classes (kit.train.transformer.Decoder's head)
 
 SYNTHETIC_STEPS = 16  # an epoch of synthetic batches: --epochs and --max-steps set the run's length
 
@@ -86,30 +85,11 @@ def check_vocabulary(cfg: argparse.Namespace) -> None:
             f"{cfg.vocab_size} rows)")
 
 
-def own_parts(cfg: argparse.Namespace, plan: kit.plan.TaskPlan, own: OwnModel) -> list[nn.Sequential]:
-    """The page's module_list for the user's layers: the whole model built on the CPU (the caller seeded torch, so
-    every replica and both layouts start from the same weights), cut by the plan's sizes, part p on its device."""
-    if plan.cpu and cfg.precision != "fp32":  # as build_module_list: the fast path refuses the CPU's autocast
-        torch.backends.mha.set_fastpath_enabled(False)
-    from kit import own_model
-    layers, _ = own_model.build_layers(own.plan.spec, device="cpu")
-    if len(layers) != sum(own.plan.sizes):  # the model changed between the plan and now (a file edited meanwhile)
-        raise RunError(f"--model {own.plan.spec} built {len(layers)} layers here but {sum(own.plan.sizes)} when it was "
-                       "planned: the model changed during start-up; start again")
-    if cfg.activation_checkpointing:  # the layers kit.model says (the kit's Encoder and Decoder never)
-        for layer, again in zip(layers, own.plan.model.recomputed()):
-            if again:
-                recompute_in_backward(layer)
-    parts, start = [], 0
-    for p, n in enumerate(own.plan.sizes):
-        parts.append(Part(*layers[start:start + n], precision=cfg.precision).to(plan.device(p)))
-        start += n
-    return parts
 
 
 def recompute_in_backward(layer: nn.Module) -> None:
     """--activation-checkpointing for a user's layer: it keeps only its input for the backward and recomputes the
-    rest there, as the kit's CheckpointedLayer (kit.train.options: non-reentrant torch.utils.checkpoint, which DDP
+    rest there, as the kit's CheckpointedLayer (kit.train.transformer: non-reentrant torch.utils.checkpoint, which DDP
     supports, and the Pipe's own checkpoint= stays "never"). The layer's forward is replaced on the instance, not
     wrapped: the state_dict keys stay those of the plain model, so checkpoints move between the two."""
     plain = layer.forward
@@ -150,11 +130,6 @@ def synthetic_corpus(cfg: argparse.Namespace, own: OwnModel, replicas: int) -> d
     n_train, n_test = SYNTHETIC_STEPS * cfg.batch_size * replicas, cfg.batch_size * replicas
     return {"train_x": draw(n_train), "train_y": torch.zeros(n_train, dtype=torch.int64),
             "test_x": draw(n_test), "test_y": torch.zeros(n_test, dtype=torch.int64)}
-
-
-def kit_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The kit's loss, in fp32 whatever --precision."""
-    return F.cross_entropy(out.float(), y)
 
 
 def synthetic_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

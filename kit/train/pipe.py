@@ -1,7 +1,7 @@
 """The page's Pipe engines: torch <= 2.3's torch.distributed.pipeline.sync.Pipe (with RPC) or fairscale's, chosen by
 --engine, and PipeModel, the page's `Pipe(nn.Sequential(*module_list), chunks, checkpoint="never")` that DDP wraps
-and that closes its worker threads on every exit path. Owns: OPEN_PIPES. Imports: kit.releases, kit.arguments,
-kit.train.errors.
+and that closes its worker threads (its holder closes it on every exit path: kit.train.replica.Replica). Imports:
+kit.arguments, kit.releases, kit.train.errors.
 """
 from __future__ import annotations
 
@@ -57,9 +57,6 @@ def init_rpc_for_pipe() -> tempfile.NamedTemporaryFile:
     return tmpfile
 
 
-OPEN_PIPES: list[PipeModel] = []  # built and not closed yet
-
-
 class PipeModel(nn.Sequential):
     """The page's `Pipe(nn.Sequential(*module_list), chunks, checkpoint="never")`.
 
@@ -85,7 +82,6 @@ class PipeModel(nn.Sequential):
         object.__setattr__(self, "pipe", pipe)  # not a registered child: parameters and keys stay ours
         self.engine = engine
         self.workers = [t for t in threading.enumerate() if t not in before]  # the Pipe's per-device threads
-        OPEN_PIPES.append(self)  # run() closes it on every exit path, even if what holds it was never built
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.pipe(tokens)
@@ -100,8 +96,6 @@ class PipeModel(nn.Sequential):
         finalises aborts it with "terminate called without an active exception" (seen with fairscale 0.4.13 on
         torch 2.13). None is the workers' own stop signal and (False, None) their last reply; then we join them."""
         pipe = self.__dict__.pop("pipe", None)
-        if self in OPEN_PIPES:
-            OPEN_PIPES.remove(self)
         pipeline = getattr(pipe, "pipeline", None)
         if pipeline is not None:
             for q in set(getattr(pipeline, "in_queues", [])):

@@ -1,5 +1,5 @@
 """What a run reports: samples/s, TFLOP/s and the share of the GPU's peak, learning against chance, and the JSON
-record appended whole to --json-out. Imports: kit.speed, kit.train.checkpoint, kit.train.errors.
+record appended whole to --json-out. Imports: kit.speed, kit.train.checkpoint, kit.train.errors, kit.train.trainer.
 """
 from __future__ import annotations
 from typing import TYPE_CHECKING
@@ -19,8 +19,8 @@ import kit.speed
 from kit.train.checkpoint import write_failure
 from kit.train.errors import RunError
 
-if TYPE_CHECKING:  # a type only: kit.train.loop imports this module
-    from kit.train.loop import Trainer
+if TYPE_CHECKING:  # a type only
+    from kit.train.trainer import Trainer
 
 
 def chance_accuracy(labels: torch.Tensor) -> tuple[float, float]:

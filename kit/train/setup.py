@@ -1,5 +1,5 @@
 """A task's setup before any process group: the GPU or CPU defaults, this task's plan from kit.plan and the
-checker's verdict on it (the same checks as --check-args), the CPU threads and placement.
+checker's verdict on it (the same checks as --check-args), its GPUs (use_gpus), the CPU threads and placement.
 Imports: idr_torch, kit.arguments, kit.findings, kit.plan, kit.trainer_checks, kit.train.errors, kit.train.options.
 """
 from __future__ import annotations
@@ -59,31 +59,45 @@ def make_plan(cfg: argparse.Namespace, cuda: bool) -> kit.plan.TaskPlan:
     return plan
 
 
+def use_gpus(plan: kit.plan.TaskPlan) -> list[int]:
+    """torch.cuda.set_device(first_part) before anything touches CUDA (both trainers' main() call it right after the
+    plan). Without it every CUDA call that takes no device (a context, a pinned-memory thread, an object collective)
+    lands on cuda:0, whatever GPUs the task owns; tests/test_gpu_rules.py checks it for every task of a node.
+    Returns this task's GPUs, first_part first ([] without one): what init_distributed binds its group to."""
+    gpus = [] if plan.cpu else list(dict.fromkeys(plan.devices))
+    if gpus:
+        torch.cuda.set_device(plan.first_part)
+    return gpus
+
+
 def cpu_threads(launch: idr_torch.Launch) -> int:
     """The cores this task really has (os.sched_getaffinity: what Slurm's task/affinity or cgroup left it), for its
     intra-op threads and its DataLoader workers: its own cores when Slurm bound it, else the node's split between
-    its tasks (N tasks each using every core would oversubscribe the node). SLURM_CPUS_PER_TASK is what was asked,
-    not what the task got: srun 22.05 does not pass --cpus-per-task on to the step, so a plain `srun` in a
-    `-c 10 --hint=nomultithread` job binds each task to one core (measured on the test cluster's task/affinity
-    variant, tests/test_cpu_binding.py); say so once."""
+    its tasks (N tasks each using every core would oversubscribe the node). SLURM_CPUS_PER_TASK (launch.cpus_asked)
+    is what was asked, not what the task got (cores_notice)."""
     avail = len(os.sched_getaffinity(0))
     share = max(1, avail // launch.local_world_size)
-    cpt = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
-    if cpt.isdigit() and avail <= int(cpt):
-        if avail < int(cpt) and not _SAID_CORES:
-            _SAID_CORES.append(True)
-            log(f"notice: this task may run on {avail} core(s) but the job asked --cpus-per-task={cpt}: srun did "
-                "not pass it on to the step (Slurm 22.05); launch with `srun -c $SLURM_CPUS_PER_TASK ...` or "
-                "`export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK`")
+    asked = launch.cpus_asked
+    if asked is not None and avail <= asked:
         return avail  # bound to its own cores
-    return min(int(cpt), share) if cpt.isdigit() else share
+    return min(asked, share) if asked is not None else share
 
 
-_SAID_CORES: list = []
+def cores_notice(launch: idr_torch.Launch) -> str | None:
+    """The line to say once where the task got fewer cores than the job asked: srun 22.05 does not pass
+    --cpus-per-task on to the step, so a plain `srun` in a `-c 10 --hint=nomultithread` job binds each task to one
+    core (measured on the test cluster's task/affinity variant, tests/test_cpu_binding.py)."""
+    avail, asked = len(os.sched_getaffinity(0)), launch.cpus_asked
+    if asked is None or avail >= asked:
+        return None
+    return (f"notice: this task may run on {avail} core(s) but the job asked --cpus-per-task={asked}: srun did "
+            "not pass it on to the step (Slurm 22.05); launch with `srun -c $SLURM_CPUS_PER_TASK ...` or "
+            "`export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK`")
 
 
-def cpu_placement() -> dict:
-    """Where this task runs on the CPU, for the record: the cores it may use, as Slurm bound them."""
+def cpu_placement(launch: idr_torch.Launch) -> dict:
+    """Where this task runs on the CPU, for the record: the cores it may use, as Slurm bound them, and the CPUs per
+    task the job asked (SLURM_CPUS_PER_TASK, as its text)."""
     cores = sorted(os.sched_getaffinity(0))
     return {"cpus": len(cores), "cpu_ids": cores, "threads": torch.get_num_threads(),
-            "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK")}
+            "cpus_per_task": None if launch.cpus_asked is None else str(launch.cpus_asked)}

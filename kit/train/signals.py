@@ -1,8 +1,9 @@
 """The job's stop signals and hangs: SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel, preemption)
 and SIGINT (Ctrl-C) are held from a trainer's first lines and acted on at the next step (kit.train.loop.StopRequest);
 a second Ctrl-C stops at once but never inside a save. (A task that makes no progress: kit.train.launch's Watchdog.)
-Owns: PENDING_SIGNALS, CTRL_C, stoppable. Imports: the standard library only, and little of it: the trainers import
-it first.
+Owns: HELD, what the handler received and where the run stands (the process's one Held), stoppable. Imports: the
+standard library only, and little of it: the trainers import it first (idr_torch, for the notice's rank, only when a
+Ctrl-C comes).
 """
 from __future__ import annotations
 
@@ -20,14 +21,39 @@ from collections.abc import Callable
 # trainer, 3-22 ms) is out of reach of any Python program; a launcher that blocks them then has them delivered at the
 # unblock below, held. Only where a trainer is the program: importers keep their handlers.
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-PENDING_SIGNALS: list[str] = []  # the names, in order
 
-# Ctrl-C a second time (hold_signal): "saving", the saves under way (interrupts_held); "ending", the stop agreed or
-# main() returned, nothing left to cut short; "deferred", a second Ctrl-C that waits for a save's end or the next step
-CTRL_C = {"saving": 0, "ending": False, "deferred": False}
 
-# What the run is doing where a stop signal ends it at once (stoppable): "" nowhere (the signal waits for the step)
-STOPPABLE = [""]
+class Held:
+    """What the stop signals' handler has received, and where the run stands for a second Ctrl-C. A signal handler
+    is the process's, so there is one (HELD); its state changes only through these methods and the handler."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending: list[str] = []  # the signals' names, in order
+        self.saving = 0  # the saves under way (interrupts_held)
+        self.ending = False  # the stop agreed, or main() returned: nothing left for a second Ctrl-C to cut short
+        self.deferred = False  # a second Ctrl-C that waits for a save's end or the next step
+        self.stoppable = ""  # what the run is doing where a stop signal ends it at once (stoppable); "": nowhere
+
+    @property
+    def first(self) -> str | None:
+        """The first stop signal this task received (the reason), or None."""
+        return self.pending[0] if self.pending else None
+
+    def end(self, ending: bool = True) -> None:
+        """The run is ending (the stop agreed after a step, or main() returned): a second Ctrl-C no longer cuts it."""
+        self.ending = ending
+
+    def interrupt_if_deferred(self) -> None:
+        """Raise the second Ctrl-C that waited (for a save's end, or out of a __del__), unless the run is ending."""
+        if self.deferred and not self.saving and not self.ending:
+            self.deferred = False
+            raise KeyboardInterrupt
+
+
+HELD = Held()
 
 
 class StopBeforeTraining(BaseException):
@@ -49,13 +75,13 @@ class stoppable:
         self.doing = doing
 
     def __enter__(self) -> None:
-        STOPPABLE[0] = self.doing
-        if PENDING_SIGNALS:
-            STOPPABLE[0] = ""
-            raise StopBeforeTraining(PENDING_SIGNALS[0], self.doing)
+        HELD.stoppable = self.doing
+        if HELD.pending:
+            HELD.stoppable = ""
+            raise StopBeforeTraining(HELD.pending[0], self.doing)
 
     def __exit__(self, *exc: object) -> None:
-        STOPPABLE[0] = ""
+        HELD.stoppable = ""
 
 
 def hold_signal(signum: int, frame: object) -> None:
@@ -65,18 +91,18 @@ def hold_signal(signum: int, frame: object) -> None:
     __del__ (Python prints "Exception ignored in ..." with a traceback, and drops the interrupt): it waits for the
     next step there."""
     name = signal.Signals(signum).name
-    again = name == "SIGINT" and "SIGINT" in PENDING_SIGNALS
-    PENDING_SIGNALS.append(name)
-    if STOPPABLE[0] and not in_finalizer(frame):  # nothing trained yet: at once (stoppable)
-        doing, STOPPABLE[0] = STOPPABLE[0], ""
+    again = name == "SIGINT" and "SIGINT" in HELD.pending
+    HELD.pending.append(name)
+    if HELD.stoppable and not in_finalizer(frame):  # nothing trained yet: at once (stoppable)
+        doing, HELD.stoppable = HELD.stoppable, ""
         raise StopBeforeTraining(name, doing)
     if name == "SIGINT" and not again and is_rank0():
         import os  # loaded by the interpreter already; os.write, not print: this may interrupt a print
         os.write(2, b"Ctrl-C: stopping after this step, with a checkpoint where --save is given (exit 75); "
                     b"Ctrl-C again stops at once\n")
     if again:
-        if CTRL_C["saving"] or CTRL_C["ending"] or in_finalizer(frame):
-            CTRL_C["deferred"] = True
+        if HELD.saving or HELD.ending or in_finalizer(frame):
+            HELD.deferred = True
         else:
             raise KeyboardInterrupt
 
@@ -90,9 +116,14 @@ def in_finalizer(frame: object) -> bool:
 
 
 def is_rank0() -> bool:
-    """This task is rank 0, from the launcher's variables (idr_torch is not imported yet where this is needed)."""
-    import os
-    return (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0").strip() in ("0", "")
+    """This task is rank 0, as idr_torch reads it from the launcher's variables. Imported here, when a Ctrl-C comes,
+    not above: the trainers import this module before anything else. Where the signal interrupts idr_torch's own
+    import (its names not defined yet), the notice is said."""
+    import idr_torch
+    try:
+        return idr_torch.env_rank() in (0, None)
+    except AttributeError:
+        return True
 
 
 def hold_stop_signals() -> None:
@@ -106,17 +137,10 @@ def interrupts_held(save: Callable) -> Callable:
     """A save decorated with this is not cut by a second Ctrl-C: the interrupt is raised when the save ends."""
     @functools.wraps(save)
     def held(*args: object, **kwargs: object) -> object:
-        CTRL_C["saving"] += 1
+        HELD.saving += 1
         try:
             return save(*args, **kwargs)
         finally:
-            CTRL_C["saving"] -= 1
-            interrupt_if_deferred()
+            HELD.saving -= 1
+            HELD.interrupt_if_deferred()
     return held
-
-
-def interrupt_if_deferred() -> None:
-    """Raise the second Ctrl-C that waited (for a save's end, or out of a __del__), unless the run is ending."""
-    if CTRL_C["deferred"] and not CTRL_C["saving"] and not CTRL_C["ending"]:
-        CTRL_C["deferred"] = False
-        raise KeyboardInterrupt
