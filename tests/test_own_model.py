@@ -191,24 +191,27 @@ BALANCE = {  # model -> (--model, --sample, nb_part, what the split balances): b
 }
 
 
+def _best_max_part(costs: list[float], nb_part: int) -> float:
+    """The smallest possible cost of the costliest part over every contiguous split of `costs` (brute force)."""
+    import itertools
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), nb_part - 1):
+        bounds = (0, *cuts, len(costs))
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
 @pytest.mark.parametrize("name", list(BALANCE))
-def test_the_balanced_split_has_its_slowest_part_within_10_percent_of_the_mean(name):
-    """Each part of the balanced split timed for real (forward and backward of the sample, median of 9, one
-    thread): the slowest is within 10 % of the mean part. A timing: the best of up to 3 rounds is held (a round
-    slowed by other work is not the split's doing), and the figures of each round are in the message."""
+def test_the_split_by_time_is_the_best_split_of_its_costs(name):
+    """--split time cuts the layers where the costliest part costs least, of every contiguous split: by the layers'
+    FLOPs, or by the measured times given (--time-layers; here a fixed list, so the test does not time anything).
+    Whether the parts then take equal time on a machine is a timing, measured by benchmarks/own_model_balance.py
+    (figures in docs/own_model.md), not held by a test: the machines that run the tests are noisy."""
     spec, sample, nb_part, by = BALANCE[name]
     model = own.describe(spec, sample)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rounds = []
-        for _ in range(3):
-            times = None if by == "flops" else own.layer_times(spec, sample, repeats=9)
-            sizes = model.sizes(nb_part, "time", times=times)  # --split time: by FLOPs, or the measured times
-            times = own.layer_times(spec, sample, sizes, repeats=9)
-            rounds.append((max(times) * nb_part / sum(times), sizes, [round(t * 1e3, 2) for t in times]))
-            if rounds[-1][0] <= 1.10:
-                break
-    finally:
-        torch.set_num_threads(threads)
-    assert min(r[0] for r in rounds) <= 1.10, rounds
+    times = None if by == "flops" else [float(1 + (i * 7) % 5) for i in range(model.nlayers)]
+    costs = [c.flops for c in model.costs] if times is None else times
+    sizes = model.sizes(nb_part, "time", times=times)
+    bounds = [0, *itertools.accumulate(sizes)]
+    got = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+    assert sum(sizes) == model.nlayers and got == pytest.approx(_best_max_part(costs, nb_part), rel=1e-9), sizes
