@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)
     # --model: loads, takes --sample, fills one pipeline's stages (else exit 2), before any process group
-    own = resolve_model(cfg, cfg.pp * kit.schedules.stages_per_rank(cfg.schedule, cfg.virtual_stages))
+    own = resolve_model(cfg, cfg.pp * kit.schedules.stages_per_rank(cfg.schedule, cfg.virtual_stages), "stage")
     gpus = use_gpus(plan)  # torch.cuda.set_device(the task's GPU), before anything touches CUDA
     return run(cfg, cuda, "pipelining", gpus, lambda tasks: Stages(cfg, plan, cuda, tasks, own), PROG)
 

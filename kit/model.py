@@ -16,7 +16,7 @@ from typing import Sequence
 
 from kit.arguments import SPLITS
 from kit.layer_memory import estimate_peaks
-from kit.plan import layer_split
+from kit.plan import layer_split, split_contents
 
 # Where the kit's own Transformer's classes are defined, by class name: a --model whose first layer is the kit's
 # Encoder and whose last is its Decoder gets the page's even split (the Encoder with the first part, the Decoder with
@@ -115,6 +115,8 @@ class Model:
     costs: list[LayerCost] = field(repr=False)
     ends: bool = False  # the kit's Encoder first and its Decoder last (recognise)
     kit: dict | None = None  # the kit's whole Transformer: its arguments (kit.memory's estimate applies to it)
+    shared: list[tuple[int, int, str]] = field(default_factory=list)  # tied weights: (the layer that owns the
+    # parameter, a later layer that uses the same Parameter object, its name in the first), counted in the first only
 
     @property
     def names(self) -> list[str]:
@@ -166,6 +168,31 @@ class Model:
                 "layout), or return the model as finer layers")
         costs = self.layer_costs(split, micro, chunks, precision, checkpointing, times)
         return layer_split(self.nlayers, nb_part, costs, ends=self.ends and self.nlayers - 2 >= nb_part)
+
+    def refusal(self, sizes: Sequence[int], layout: str, others: dict[str, list[int]] | None = None) -> str | None:
+        """One line where the trainers cannot run this split as written, with the fix, else None: a weight tied
+        across two parts (each part would train its own copy: untied in silence), or, in the stage layout, a stage
+        without parameters (each stage has its own AdamW and DDP, which refuse an empty parameter list). `others`:
+        the other splits' sizes (Model.splits), one of which may be the fix."""
+        part = [p for p, n in enumerate(sizes) for _ in range(n)]
+        names, contents = self.names, split_contents(sizes)
+        fine = [k for k, alt in (others or {}).items() if self.refusal(alt, layout) is None]
+        another = f"--split {fine[0]} ({list(others[fine[0]])}), " if fine else ""
+        for a, b, param in self.shared:
+            if part[a] != part[b]:
+                return (f"--model {self.spec}: layers {names[a]!r} and {names[b]!r} share the parameter {param} (tied "
+                        f"weights), and the split puts them on parts {part[a]} and {part[b]}, which would each train "
+                        f"a copy of it: untie them in your model (Hugging Face: tie_word_embeddings=False), or give "
+                        f"{another}a split that keeps layers {a}-{b} on one part")
+        empty = [p for p in range(len(sizes)) if layout == "stage"
+                 and not any(c.params for c in self.costs[sum(sizes[:p]):sum(sizes[:p + 1])])]
+        if empty:
+            p = empty[0]
+            held = ", ".join(n.split(": ", 1)[-1] for n in names[sum(sizes[:p]):sum(sizes[:p + 1])])
+            return (f"--model {self.spec}: stage {p} ({contents[p]}: {held}) has no parameter to train, and each "
+                    f"stage trains with its own optimizer and DDP: use {another}fewer stages (--pp), or return "
+                    "those layers inside the layer before them")
+        return None
 
     def splits(self, nb_part: int, micro: int = 1, chunks: int = 1, precision: str = "fp32",
                checkpointing: bool = False, times: Sequence[float] | None = None) -> dict[str, list[int]]:

@@ -11,7 +11,7 @@ import torch
 
 import kit.arguments
 import kit.releases
-from launch import ROOT, bench, clean_env
+from launch import TORCH, bench, clean_env, copy_kit
 
 pytestmark = pytest.mark.multiproc
 
@@ -30,12 +30,16 @@ def stage_run(tmp_path, args: list[str]) -> list[subprocess.CompletedProcess]:
                  script="bench_stage.py", timeout=180)
 
 
-def checker(args: list[str], layout: str = "stage") -> subprocess.CompletedProcess:
-    parts = ["--layout", "stage", "--pp", "2", "--schedule", "gpipe"] if layout == "stage" else ["--nb-part", "2"]
-    tasks = "2" if layout == "stage" else "1"
-    return subprocess.run([sys.executable, str(ROOT / "check_topology.py"), "--nodes", "1", "--gpus-per-node", "2",
-                           "--ntasks-per-node", tasks, *parts, "--batch-size", "8", "--chunks", "2", *args], cwd=ROOT,
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
+def check_stage_job(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
+    """The checker on a job script (in a user's copy of the kit and of the zoo) whose trainer line is bench_stage.py
+    --pp 2 with `args`."""
+    copy_kit(tmp_path, extra=(ZOO,))
+    (tmp_path / "job.slurm").write_text(
+        "#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node=2 --gres=gpu:2 -c 10 --hint=nomultithread -t 1:00:00 -C h100\n"
+        f"module load pytorch-gpu/py3/{'.'.join(map(str, TORCH))}.0\nsrun python bench_stage.py {' '.join(args)} "
+        "--pp 2 --schedule gpipe --batch-size 8 --chunks 2\n")
+    return subprocess.run([sys.executable, "check_topology.py", "job.slurm"], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_a_layer_that_returns_a_transposed_view_trains_in_the_stage_layout(tmp_path):
@@ -46,3 +50,35 @@ def test_a_layer_that_returns_a_transposed_view_trains_in_the_stage_layout(tmp_p
     runs = stage_run(tmp_path, ["--model", f"{ZOO}:transposed", "--sample", f"{ZOO}:transposed_sample"])
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
     assert "replicas in sync" in runs[0].stdout and "epoch   1 | steps     2" in runs[0].stdout, runs[0].stdout
+
+
+TAIL = ["--model", f"{ZOO}:parameterless_tail", "--sample", f"{ZOO}:image_sample"]
+
+
+def test_a_stage_without_parameters_is_refused_up_front_with_the_fix(tmp_path):
+    """[conv, conv, pool, flatten] split evenly over 2 stages leaves stage 1 pooling and flattening: the trainer
+    refuses it before any process group (before: "optimizer got an empty parameter list" on one task, the other
+    lost), in one line naming the stage, its layers and a split that works; the checker says the same line, exit 2;
+    with that split the pipeline trains."""
+    stage_layout_or_skip()
+    runs = stage_run(tmp_path, TAIL)
+    assert [r.returncode for r in runs] == [2, 2], runs[0].stderr[-3000:]
+    [line] = runs[0].stderr.strip().splitlines()
+    assert not runs[1].stderr.strip(), runs[1].stderr
+    assert "stage 1 (layers 2-3: AdaptiveAvgPool2d, Flatten) has no parameter to train" in line, line
+    assert "--split time ([1, 3])" in line and "fewer stages (--pp)" in line, line
+    check = check_stage_job(tmp_path / "copy", TAIL)
+    assert check.returncode == 2 and "stage 1 (layers 2-3: AdaptiveAvgPool2d, Flatten)" in check.stderr, (
+        check.stdout + check.stderr)
+    assert " OK" not in check.stdout, check.stdout
+    runs = stage_run(tmp_path, [*TAIL, "--split", "time"])
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
+    assert "sizes [1, 3]" in runs[0].stdout, runs[0].stdout
+
+
+def test_the_replica_layout_runs_a_part_without_parameters(tmp_path):
+    """The replica layout has one optimizer and one DDP over the whole replica: a part that only pools and flattens
+    is fine there (not refused)."""
+    runs = bench([*TAIL, *SHORT, "--nb-part", "2", "--cache-dir", str(tmp_path)], ntasks=2, timeout=180)
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
+    assert "sizes [2, 2]" in runs[0].stdout, runs[0].stdout
