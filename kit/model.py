@@ -183,7 +183,8 @@ class Model:
                 return (f"--model {self.spec}: layers {names[a]!r} and {names[b]!r} share the parameter {param} (tied "
                         f"weights), and the split puts them on parts {part[a]} and {part[b]}, which would each train "
                         f"a copy of it: untie them in your model (Hugging Face: tie_word_embeddings=False), or give "
-                        f"{another}a split that keeps layers {a}-{b} on one part")
+                        f"{another}a split that keeps layers {a}-{b} on one part"
+                        + (" (here the whole model: one part)" if (a, b) == (0, self.nlayers - 1) else ""))
         empty = [p for p in range(len(sizes)) if layout == "stage"
                  and not any(c.params for c in self.costs[sum(sizes[:p]):sum(sizes[:p + 1])])]
         if empty:

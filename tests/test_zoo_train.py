@@ -82,3 +82,34 @@ def test_the_replica_layout_runs_a_part_without_parameters(tmp_path):
     runs = bench([*TAIL, *SHORT, "--nb-part", "2", "--cache-dir", str(tmp_path)], ntasks=2, timeout=180)
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
     assert "sizes [2, 2]" in runs[0].stdout, runs[0].stdout
+
+
+GPT2 = ["--model", f"{ZOO}:gpt2_tiny_lm", "--sample", "4x16"]
+
+
+def test_weights_tied_across_parts_are_refused_in_one_line_never_untied(tmp_path):
+    """GPT-2's lm_head holds its wte's Parameter (Hugging Face's default): split over 2 parts each part would train
+    its own copy (the stage layout's tasks; on GPUs the replica layout's parts too). Both trainers refuse it before
+    any process group in one line naming the two layers and the fix; the checker says the same line."""
+    needle = "layers '0: GPT2Embedding' and '3: GPT2LMHead' share the parameter wte.weight (tied weights)"
+    runs = bench([*GPT2, *SHORT, "--nb-part", "2", "--cache-dir", str(tmp_path)], ntasks=2, timeout=180)
+    assert [r.returncode for r in runs] == [2, 2], runs[0].stderr[-3000:]
+    [line] = runs[0].stderr.strip().splitlines()
+    assert needle in line and "tie_word_embeddings=False" in line and not runs[1].stderr.strip(), line
+    stage_layout_or_skip()
+    runs = stage_run(tmp_path, GPT2)
+    assert [r.returncode for r in runs] == [2, 2] and needle in runs[0].stderr, runs[0].stderr[-3000:]
+    check = check_stage_job(tmp_path / "copy", GPT2)
+    assert check.returncode == 2 and needle in check.stderr, check.stdout + check.stderr
+
+
+def test_weights_tied_on_one_part_stay_tied_through_training(tmp_path):
+    """On one part the tie is the model's own: after two steps of 2 replicas the checkpoint's wte and lm_head are one
+    tensor (one storage), and the run counts the shared weight once (the model line's parameters)."""
+    save = tmp_path / "ck.pt"
+    runs = bench([*GPT2, *SHORT, "--nb-part", "1", "--cache-dir", str(tmp_path), "--save", str(save)], ntasks=2,
+                 timeout=180)
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
+    state = torch.load(save, weights_only=False)
+    wte, head = state["0.0.wte.weight"], state["0.3.lm_head.weight"]
+    assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr() and torch.equal(wte, head)

@@ -44,3 +44,69 @@ def parameterless_tail() -> list[nn.Module]:
 
 def image_sample() -> torch.Tensor:
     return torch.zeros(8, 3, 16, 16)
+
+
+class GPT2Embedding(nn.Module):
+    """GPT-2's input: token embedding (wte) plus position embedding (wpe), dropout; token ids in."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(positions))
+
+
+class GPT2LMHead(nn.Module):
+    """GPT-2's output as a language model: the last layer norm, then the vocabulary's logits (lm_head, whose weight
+    is wte's own Parameter where the config ties them, Hugging Face's default)."""
+
+    def __init__(self, transformer: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = transformer.ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT2ClassHead(nn.Module):
+    """GPT-2 as the kit's classifier: the last layer norm, the mean over positions, 2 logits."""
+
+    def __init__(self, transformer: nn.Module, d: int) -> None:
+        super().__init__()
+        self.ln_f, self.score = transformer.ln_f, nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score(self.ln_f(x).mean(dim=1))
+
+
+def gpt2_layers(head: str = "lm", tie: bool = True, **config: int) -> list[nn.Module]:
+    """transformers' GPT2LMHeadModel, random-init from a config, as layers: the embeddings, each block, the head
+    ("lm": the vocabulary's logits; "classes": 2)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(tie_word_embeddings=tie, **config))
+    t = model.transformer
+    last = GPT2LMHead(t, model.lm_head) if head == "lm" else GPT2ClassHead(t, t.config.n_embd)
+    return [GPT2Embedding(t), *t.h, last]
+
+
+TINY_GPT2 = dict(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=512, bos_token_id=0, eos_token_id=0)
+
+
+def gpt2_tiny_lm() -> list[nn.Module]:
+    """A 2-block GPT-2 language model, its head tied to its embedding (Hugging Face's default)."""
+    return gpt2_layers("lm", True, **TINY_GPT2)
+
+
+def gpt2_tiny_lm_untied() -> list[nn.Module]:
+    return gpt2_layers("lm", False, **TINY_GPT2)
+
+
+def gpt2_tiny_classifier() -> list[nn.Module]:
+    return gpt2_layers("classes", True, **TINY_GPT2)
+
+
+def gpt2_small_lm_untied() -> list[nn.Module]:
+    """GPT-2 small (124 M parameters with the head tied; 163 M untied) as a language model."""
+    return gpt2_layers("lm", False)
