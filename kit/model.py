@@ -98,12 +98,13 @@ def recognise(layers: Sequence[object], sample_shape: Sequence[int], sample_floa
 
 
 def part_peak(costs: Sequence[LayerCost], micro: int, alive: int, precision: str = "fp32",
-              checkpointing: bool = False) -> float:
+              checkpointing: bool = False, loss: bool = True) -> float:
     """The peak of a GPU holding `costs` alone, with `alive` micro-batches of `micro` samples in flight (GPipe:
     all of them): kit.layer_memory's estimate (weights, AdamW, gradients, DDP's bucket, the micro-batches' saved
-    tensors, precision, checkpointing, the gradients in flight, AdamW's step), without the allowance. The cost per
-    layer the split by memory balances."""
-    return float(estimate_peaks(costs, [len(costs)], micro, alive, precision, checkpointing=checkpointing)[0].peak)
+    tensors, precision, checkpointing, the gradients in flight, AdamW's step, the loss on the output where `loss`:
+    the model's last layer), without the allowance. The cost per layer the split by memory balances."""
+    return float(estimate_peaks(costs, [len(costs)], micro, alive, precision, checkpointing=checkpointing,
+                                loss=loss)[0].peak)
 
 
 @dataclass
@@ -152,8 +153,8 @@ class Model:
         if split == "time":
             return list(times) if times else [c.flops for c in self.costs]
         if split == "memory":
-            return [part_peak([c], micro, chunks, precision, checkpointing and again)
-                    for c, again in zip(self.costs, self.recomputed())]
+            return [part_peak([c], micro, chunks, precision, checkpointing and again, loss=i == self.nlayers - 1)
+                    for i, (c, again) in enumerate(zip(self.costs, self.recomputed()))]
         raise ModelError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
 
     def sizes(self, nb_part: int, split: str = "even", micro: int = 1, chunks: int = 1, precision: str = "fp32",

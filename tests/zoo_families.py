@@ -110,3 +110,14 @@ def gpt2_tiny_classifier() -> list[nn.Module]:
 def gpt2_small_lm_untied() -> list[nn.Module]:
     """GPT-2 small (124 M parameters with the head tied; 163 M untied) as a language model."""
     return gpt2_layers("lm", False)
+
+
+NARROW_GPT2 = dict(n_embd=256, n_head=4)  # GPT-2 small's vocabulary, positions and 12 blocks, a third of its width
+
+
+def gpt2_narrow_lm() -> list[nn.Module]:
+    return gpt2_layers("lm", True, **NARROW_GPT2)
+
+
+def gpt2_narrow_lm_untied() -> list[nn.Module]:
+    return gpt2_layers("lm", False, **NARROW_GPT2)
