@@ -121,3 +121,131 @@ def gpt2_narrow_lm() -> list[nn.Module]:
 
 def gpt2_narrow_lm_untied() -> list[nn.Module]:
     return gpt2_layers("lm", False, **NARROW_GPT2)
+
+
+def gpt2_tiny_lm_sample() -> torch.Tensor:
+    return torch.zeros(8, 32, dtype=torch.long)
+
+
+class BertHead(nn.Module):
+    """BERT's pooler (the first token's state through a tanh Linear) and a 2-class score."""
+
+    def __init__(self, pooler: nn.Module, d: int) -> None:
+        super().__init__()
+        self.pooler, self.score = pooler, nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score(self.pooler(x))
+
+
+def bert_tiny_classifier() -> list[nn.Module]:
+    """transformers' BertModel (2 layers, 64 wide, 1000 tokens), random-init, as layers: embeddings, each BertLayer,
+    the pooler and a 2-class head: the kit's task."""
+    from transformers import BertConfig, BertModel
+    model = BertModel(BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=128, max_position_embeddings=128))
+    return [model.embeddings, *model.encoder.layer, BertHead(model.pooler, 64)]
+
+
+class LSTMLayer(nn.Module):
+    """nn.LSTM (batch first) as one layer: its output sequence alone (a transposed view of the kernel's)."""
+
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(d_in, d, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+class LastPosition(nn.Module):
+    def __init__(self, d: int, classes: int) -> None:
+        super().__init__()
+        self.score = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score(x[:, -1])
+
+
+def lstm_classifier() -> list[nn.Module]:
+    """Token ids of the kit's vocabulary (20000) embedded, two LSTM layers, the last position's 2 logits."""
+    return [nn.Embedding(20000, 32), LSTMLayer(32, 48), LSTMLayer(48, 48), LastPosition(48, 2)]
+
+
+def long_encoder() -> list[nn.Module]:
+    """A long-context encoder: a projection in, four nn.TransformerEncoderLayer (batch first, pre-norm), a pooled
+    10-class head, on sequences of 256 positions of 16 features."""
+    d = 32
+    return [nn.Linear(16, d), *(nn.TransformerEncoderLayer(d, 2, 64, 0.0, batch_first=True, norm_first=True)
+                                for _ in range(4)), nn.Sequential(nn.LayerNorm(d), MeanOfPositions(), nn.Linear(d, 10))]
+
+
+class MeanOfPositions(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def long_sample() -> torch.Tensor:
+    return torch.zeros(4, 256, 16)
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with batch norm, the input added (projected when it changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                                  nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+        self.skip = (nn.Identity() if stride == 1 and cin == cout else
+                     nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+def resnet_like() -> list[nn.Module]:
+    """A small ResNet: stem, four basic blocks (two halving the image), pooled 10-class head."""
+    return [nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()),
+            BasicBlock(16, 16, 1), BasicBlock(16, 32, 2), BasicBlock(32, 32, 1), BasicBlock(32, 64, 2),
+            nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))]
+
+
+class UNetLevel(nn.Module):
+    """One level of a U-Net: two convolutions, the inner levels on the halved image, upsampled and concatenated with
+    this level's features (the skip connection), two convolutions."""
+
+    def __init__(self, c: int, inner: nn.Module | None) -> None:
+        super().__init__()
+        conv = lambda a, b: nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU())  # noqa: E731
+        self.down, self.inner = conv(c, c), inner
+        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2) if inner is not None else None
+        self.merge = conv(2 * c if inner is not None else c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(x)
+        if self.inner is None:
+            return self.merge(h)
+        deep = self.inner(nn.functional.max_pool2d(h, 2))
+        return self.merge(torch.cat([h, self.up(deep)], dim=1))
+
+
+class Widen(nn.Module):
+    """The channels doubled for the level below (a 1x1 convolution)."""
+
+    def __init__(self, c: int, level: nn.Module) -> None:
+        super().__init__()
+        self.proj, self.level, self.back = nn.Conv2d(c, 2 * c, 1), level, nn.Conv2d(2 * c, 2 * c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.back(self.level(self.proj(x)))
+
+
+def unet_like() -> list[nn.Module]:
+    """A three-level U-Net for segmentation (2 classes a pixel): its skip connections live inside the nested level,
+    so the layers the kit cuts are the stem, the U, and the head."""
+    u = UNetLevel(8, Widen(8, UNetLevel(16, Widen(16, UNetLevel(32, None)))))
+    return [nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()), u, nn.Conv2d(8, 2, 1)]
+
+
+def unet_sample() -> torch.Tensor:
+    return torch.zeros(4, 3, 32, 32)
