@@ -80,3 +80,11 @@ def test_the_checkers_fixes_are_estimated_with_the_loss():
     plan = kit.own_split.line_plan(lm_training(batch_size=8192), 2, False)
     without = kit.layer_memory.estimate_peaks(plan.model.costs, plan.sizes, 2048, 4, arch="sm80", loss=False)
     assert without[-1].peak < kit.own_split.own_memory(lm_training(batch_size=8192), 2, 1, "sm80")[-1].peak
+
+
+def test_gpt2_small_counts_its_124_million_parameters_once():
+    """Hugging Face's GPT-2 small (its head tied to its embedding): 124,439,808 parameters, as GPT2LMHeadModel counts
+    them, not the 163,037,184 of the two copies."""
+    model = own_model.describe(f"{ZOO}:gpt2_small_lm", "1x64")
+    assert sum(c.params for c in model.costs) == 124_439_808 == unique_params(f"{ZOO}:gpt2_small_lm")
+    assert model.shared == [(0, 13, "wte.weight")]

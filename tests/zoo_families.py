@@ -249,3 +249,8 @@ def unet_like() -> list[nn.Module]:
 
 def unet_sample() -> torch.Tensor:
     return torch.zeros(4, 3, 32, 32)
+
+
+def gpt2_small_lm() -> list[nn.Module]:
+    """GPT-2 small as Hugging Face builds it: 124.4 M parameters, the head tied to the embedding."""
+    return gpt2_layers("lm", True)
