@@ -1,7 +1,7 @@
 """The per-GPU peak of a user's model (issue 34): kit.memory's terms, composed from each layer's measured figures
 (kit.own_model.LayerCost) instead of an op-by-op tape; the kit's own Transformer goes to kit.memory itself.
-Owns: estimate_peaks, the composition of layer figures into a part's step. Imports: kit.arguments, kit.memory,
-kit.plan, kit.schedules.
+Owns: estimate_peaks, the composition of layer figures into a part's step, the trainers' loss on the last part's
+output (LOSS_COPIES, issue 41). Imports: kit.arguments, kit.memory, kit.plan, kit.schedules.
 
 The terms are kit.memory.PartMemory's, with its helpers (ZeRO's partition, AdamW's temporary, the allowance, the
 stage layout's schedules). A layer is known by its figures alone (no torch here): its parameters (each tensor's
