@@ -303,11 +303,11 @@ class _ContiguousGrad(torch.autograd.Function):
 def contiguous_io(module: torch.nn.Module) -> torch.nn.Module:
     """What a stage sends made contiguous: its output (forward) and its input's gradient (backward). gloo's send
     and recv take contiguous tensors only ("input tensor has to be contiguous": ProcessGroupGloo.cpp's
-    checkSingleTensor; nccl's check_gpu_single_tensor too), and torch.distributed.pipelining sends the stage's outputs as they are and allocates the
-    next stage's receive buffers with their strides (stage.py, 2.13): a layer returning x.transpose(1, 2) (ViT's
-    patch embedding, an LSTM's batch_first swap) fails there. Hooks on the stage's own module: DDP and the
-    evaluation's bare stages both run them, and the state_dict keys stay the replica layout's. A contiguous tensor
-    is returned as it is (no copy)."""
+    checkSingleTensor; nccl's check_gpu_single_tensor too), and torch.distributed.pipelining sends the stage's
+    outputs as they are and allocates the next stage's receive buffers with their strides (stage.py, 2.13): a layer
+    returning x.transpose(1, 2) (ViT's patch embedding, an LSTM's batch_first swap) fails there. Hooks on the
+    stage's own module: DDP and the evaluation's bare stages both run them, and the state_dict keys stay the replica
+    layout's. A contiguous tensor is returned as it is (no copy)."""
     def inputs(_: torch.nn.Module, args: tuple) -> tuple:
         return tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
 

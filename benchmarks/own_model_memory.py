@@ -45,8 +45,10 @@ FAMILIES = str(ROOT / "tests" / "zoo_families.py")
 MODELS = {"conv": (f"{ZOO}:conv_stack", f"{ZOO}:conv_sample"), "mlp": (f"{ZOO}:residual_mlp", f"{ZOO}:mlp_sample"),
           "transformer": (f"{ZOO}:kit_transformer", "8x64"),
           # GPT-2 as a language model (its 50257-token vocabulary's logits, its 12 blocks; 256 wide, to run here)
-          "gpt2-lm": (f"{FAMILIES}:gpt2_narrow_lm_untied", "8x64"), "gpt2-lm-tied": (f"{FAMILIES}:gpt2_narrow_lm", "8x64"),
-          "gpt2-tiny-lm": (f"{FAMILIES}:gpt2_tiny_lm_untied", "8x32"), "gpt2-tiny-lm-tied": (f"{FAMILIES}:gpt2_tiny_lm", "8x32")}
+          "gpt2-lm": (f"{FAMILIES}:gpt2_narrow_lm_untied", "8x64"),
+          "gpt2-lm-tied": (f"{FAMILIES}:gpt2_narrow_lm", "8x64"),
+          "gpt2-tiny-lm": (f"{FAMILIES}:gpt2_tiny_lm_untied", "8x32"),
+          "gpt2-tiny-lm-tied": (f"{FAMILIES}:gpt2_tiny_lm", "8x32")}
 # model, parts (layers each), chunks; each row in fp32 and bf16, with and without checkpointing
 GRID = [("conv", [6], 2), ("conv", [3, 3], 4), ("conv", [2, 4], 2), ("mlp", [10], 4), ("mlp", [3, 7], 4),
         ("mlp", [4, 3, 3], 2), ("transformer", [6], 2), ("transformer", [3, 3], 4), ("transformer", [2, 1, 3], 2)]

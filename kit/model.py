@@ -4,7 +4,8 @@ nb_part parts for every --split (even, time, memory; with or without --activatio
 (kit.train.own), the checker (kit.own_split), --advise (kit.advise.advise_layers) and python -m kit.own_model all
 ask Model.sizes, so the split one of them shows is the split the others run. No torch here: kit.own_model builds
 and measures the layers, this module reads their classes and attributes (the checker's path stays free of torch).
-Owns: KIT_CLASSES, ModelError, LayerCost, Model (its splits, which layers checkpointing recomputes), recognise,
+Owns: KIT_CLASSES, ModelError, LayerCost, Model (its splits, which layers checkpointing recomputes, its tied weights
+and the splits the trainers refuse: Model.refusal), recognise,
 what --sample means (default_sample, is_token_ids).
 Imports: kit.arguments, kit.layer_memory, kit.plan.
 """

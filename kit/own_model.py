@@ -14,7 +14,8 @@ trainers run; the command shows each (the page's even one, and the ones balanced
 part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer is kit.memory's estimate
 itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers). Its options
 are the trainers' own (kit.arguments), with their defaults, and a few of its own.
-Owns: the measurement (measure, layer_costs, its cache), describe, the command. Imports: kit.advise, kit.arguments,
+Owns: the measurement (measure, layer_costs, its cache), describe (tied weights found and counted once:
+shared_parameters, count_once), the command. Imports: kit.advise, kit.arguments,
 kit.bounded, kit.findings, kit.layer_memory, kit.memory, kit.model, kit.schedules, kit.site,
 kit.trainer_checks (torch: only in this mode, never on the checker's plain path).
 """
@@ -336,7 +337,8 @@ def shared_parameters(layers: Sequence[nn.Module]) -> list[tuple[int, int, str]]
     return out
 
 
-def count_once(costs: list[LayerCost], shared: list[tuple[int, int, str]], layers: Sequence[nn.Module]) -> list[LayerCost]:
+def count_once(costs: list[LayerCost], shared: list[tuple[int, int, str]],
+               layers: Sequence[nn.Module]) -> list[LayerCost]:
     """The costs with each tied weight counted in its first layer only (its parameters, bytes and tensors): one
     Parameter, one gradient, one AdamW state, where the trainers keep them on one part (kit.model.Model.refusal
     refuses a split that would not)."""

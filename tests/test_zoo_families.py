@@ -10,6 +10,7 @@ import torch
 import kit.arguments
 import kit.releases
 from launch import bench
+from test_zoo_train import check_stage_job
 
 pytestmark = pytest.mark.multiproc
 
@@ -38,9 +39,16 @@ def test_the_family_trains_in_the_replica_layout(tmp_path, name):
     assert "replicas in sync: max parameter fingerprint difference 0" in runs[0].stdout, runs[0].stdout
 
 
+def split_line(out: str) -> str:
+    """The trainer's line that says the split (kit.own_split.ModelPlan.text), as the checker's note says it."""
+    [found] = [x.strip() for x in out.splitlines() if x.strip().startswith("--model ") and "sizes [" in x]
+    return found
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_family_trains_in_the_stage_layout(tmp_path, name):
-    """The LSTM's layers return transposed views (batch_first): what its stage sends is made contiguous."""
+    """The checker approves a job script's bench_stage.py line and prints the split; the trainer runs that split.
+    The LSTM's layers return transposed views (batch_first): what its stage sends is made contiguous."""
     if kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(layout="stage", schedule="gpipe"),
                                    cpu=True):
         pytest.skip("this torch has no stage layout on the CPU")
@@ -48,3 +56,8 @@ def test_the_family_trains_in_the_stage_layout(tmp_path, name):
                  script="bench_stage.py", timeout=240)
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
     assert "epoch   1 | steps     2" in runs[0].stdout, runs[0].stdout
+    spec, sample, *rest = FAMILIES[name]
+    check = check_stage_job(tmp_path / "copy", ["--model", spec, "--sample", sample, *rest])
+    assert check.returncode == 0, check.stdout + check.stderr
+    [note] = [x.strip()[len("note: "):] for x in check.stdout.splitlines() if x.strip().startswith("note: --model")]
+    assert note.split("; memory estimate")[0] == split_line(runs[0].stdout), check.stdout

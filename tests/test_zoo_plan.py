@@ -88,3 +88,15 @@ def test_gpt2_small_counts_its_124_million_parameters_once():
     model = own_model.describe(f"{ZOO}:gpt2_small_lm", "1x64")
     assert sum(c.params for c in model.costs) == 124_439_808 == unique_params(f"{ZOO}:gpt2_small_lm")
     assert model.shared == [(0, 13, "wte.weight")]
+
+
+def test_the_measuring_command_says_which_splits_the_trainers_refuse(capsys):
+    """python -m kit.own_model shows every split; one that puts GPT-2's tied weights on two parts says the trainers'
+    refusal under it (the line they would print), the one-part split of the same model does not."""
+    assert own_model.main(["--model", f"{ZOO}:gpt2_tiny_lm", "--sample", "4x16", "--nb-part", "2", "--batch-size", "4",
+                           "--chunks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("the trainers refuse this split: --model") == 3 and "share the parameter wte.weight" in out, out
+    assert own_model.main(["--model", f"{ZOO}:gpt2_tiny_lm", "--sample", "4x16", "--nb-part", "1", "--batch-size", "4",
+                           "--chunks", "1"]) == 0
+    assert "refuse" not in capsys.readouterr().out

@@ -35,7 +35,7 @@ def check_stage_job(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
     --pp 2 with `args`."""
     copy_kit(tmp_path, extra=(ZOO,))
     (tmp_path / "job.slurm").write_text(
-        "#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node=2 --gres=gpu:2 -c 10 --hint=nomultithread -t 1:00:00 -C h100\n"
+        "#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node=2 --gres=gpu:2 -c 10 --hint=nomultithread -t 1:00:00\n"
         f"module load pytorch-gpu/py3/{'.'.join(map(str, TORCH))}.0\nsrun python bench_stage.py {' '.join(args)} "
         "--pp 2 --schedule gpipe --batch-size 8 --chunks 2\n")
     return subprocess.run([sys.executable, "check_topology.py", "job.slurm"], cwd=tmp_path, env=clean_env(),
