@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     resolve(cfg, cuda)
     plan = make_plan(cfg, cuda)
     # --model: loads, takes --sample, fills one pipeline's stages (else exit 2), before any process group
-    own = resolve_model(cfg, cfg.pp * kit.schedules.stages_per_rank(cfg.schedule, cfg.virtual_stages))
+    own = resolve_model(cfg, cfg.pp * kit.schedules.stages_per_rank(cfg.schedule, cfg.virtual_stages), "stage")
     gpus = use_gpus(plan)  # torch.cuda.set_device(the task's GPU), before anything touches CUDA
     return run(cfg, cuda, "pipelining", gpus, lambda tasks: Stages(cfg, plan, cuda, tasks, own), PROG)
 
@@ -124,7 +124,7 @@ class Stages(Trainer):
         self.loss_fn, self.stats_fn = step_functions(own)
         self.param_counts = [len(list(m.parameters())) for m in module_list]
         self.total_params = sum(p.numel() for m in module_list for p in m.parameters())
-        self.modules = {s: module_list[s].to(self.device) for s in self.ids}
+        self.modules = {s: contiguous_io(module_list[s].to(self.device)) for s in self.ids}
         del module_list
         # --zero: each stage's AdamW sharded over that stage's replicas (the dp group)
         self.optimizers = {s: make_optimizer(m.parameters(), cfg.lr, cfg.zero,
@@ -285,6 +285,37 @@ class Stages(Trainer):
         if getattr(self, "watchdog", None):
             self.watchdog.stop()
 
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: a stage's input gradient is sent to the stage
+    before it, and a layer that transposes its input gives a transposed gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_io(module: torch.nn.Module) -> torch.nn.Module:
+    """What a stage sends made contiguous: its output (forward) and its input's gradient (backward). gloo's send
+    and recv take contiguous tensors only ("input tensor has to be contiguous": ProcessGroupGloo.cpp's
+    checkSingleTensor; nccl's check_gpu_single_tensor too), and torch.distributed.pipelining sends the stage's
+    outputs as they are and allocates the next stage's receive buffers with their strides (stage.py, 2.13): a layer
+    returning x.transpose(1, 2) (ViT's patch embedding, an LSTM's batch_first swap) fails there. Hooks on the
+    stage's own module: DDP and the evaluation's bare stages both run them, and the state_dict keys stay the replica
+    layout's. A contiguous tensor is returned as it is (no copy)."""
+    def inputs(_: torch.nn.Module, args: tuple) -> tuple:
+        return tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+
+    def output(_: torch.nn.Module, args: tuple, out: object) -> object:
+        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.contiguous(), out)
+    module.register_forward_pre_hook(inputs)
+    module.register_forward_hook(output)
+    return module
 
 
 def split_optimizer_state(state: dict, counts: list[int]) -> list[dict]:

@@ -1,7 +1,7 @@
 """The per-GPU peak of a user's model (issue 34): kit.memory's terms, composed from each layer's measured figures
 (kit.own_model.LayerCost) instead of an op-by-op tape; the kit's own Transformer goes to kit.memory itself.
-Owns: estimate_peaks, the composition of layer figures into a part's step. Imports: kit.arguments, kit.memory,
-kit.plan, kit.schedules.
+Owns: estimate_peaks, the composition of layer figures into a part's step, the trainers' loss on the last part's
+output (LOSS_COPIES, issue 41). Imports: kit.arguments, kit.memory, kit.plan, kit.schedules.
 
 The terms are kit.memory.PartMemory's, with its helpers (ZeRO's partition, AdamW's temporary, the allowance, the
 stage layout's schedules). A layer is known by its figures alone (no torch here): its parameters (each tensor's
@@ -20,6 +20,13 @@ from kit.plan import layer_split
 from kit.schedules import most_alive, schedule
 
 LABEL_BYTES = 8  # one int64 class index a sample, on the last part (the kit's data; a synthetic batch's labels)
+
+# The trainers' loss on the last part (kit.train.trainer.step_functions): kit.train.own.synthetic_loss,
+# out.float().pow(2).mean(), on any output, or the kit's cross-entropy on 2 logits (a few bytes a sample: the same
+# terms). Its backward holds, besides the output and its fp32 copy, LOSS_COPIES fp32 tensors of the output's size at
+# once: mean's gradient (grad.expand(sizes) / numel, a new tensor) and pow_backward's grad * (2 * self.pow(1)), three
+# more (torch/csrc/autograd/FunctionsManual.cpp pow_backward; derivatives.yaml mean).
+LOSS_COPIES = 4
 
 
 def kit_sizes(nlayers: int, nb_part: int) -> list[int]:
@@ -40,11 +47,13 @@ def one_stage_a_task(t: Training) -> None:
 def estimate_peaks(costs: Sequence, sizes: Sequence[int], micro: int, chunks: int, precision: str = "fp32",
                    replicas: int = 1, zero: bool = False, checkpointing: bool = False, layout: str = "replica",
                    arch: str = "sm80", schedule: str = "1f1b", traced: bool = False,
-                   kit_model: dict | None = None) -> list[PartMemory]:
+                   kit_model: dict | None = None, loss: bool = True) -> list[PartMemory]:
     """Per part (a GPU of the replica layout, or a task of the stage layout, one stage a task), the bytes it holds
     at the peak of a training step, with its terms: `sizes` layers a part, micro-batches of `micro` samples,
-    `chunks` of them a step. The kit's own Transformer (`kit_model`: its arguments, as kit.own_model recognises
-    them) split as the kit splits it is kit.memory's estimate itself, to the byte."""
+    `chunks` of them a step, the trainers' loss on the last part's output (`loss`; False: the costs are not the
+    model's last layers, as a layer's own peak for the split by memory). The kit's own Transformer (`kit_model`: its
+    arguments, as kit.own_model recognises them) split as the kit splits it is kit.memory's estimate itself, to the
+    byte."""
     if sum(sizes) != len(costs) or min(sizes) < 1 or micro < 1 or chunks < 1 or replicas < 1:
         raise ValueError(f"need parts of at least one layer covering the {len(costs)} layers, micro, chunks, "
                          f"replicas >= 1; got sizes={list(sizes)}, micro={micro}, chunks={chunks}")
@@ -64,7 +73,7 @@ def estimate_peaks(costs: Sequence, sizes: Sequence[int], micro: int, chunks: in
     ins = [costs[0].saved_checkpointed, *outs[:-1]]  # per sample, in the precision the step runs
     return [_part(parts[p], p, nb_part, micro, chunks, t, owned[p] if owned else None, arch, traced,
                   _alive(t, nb_part, chunks, p), f"layers {bounds[p]}-{bounds[p + 1] - 1}",
-                  (ins[bounds[p]:bounds[p + 1]], outs[bounds[p]:bounds[p + 1]])) for p in range(nb_part)]
+                  (ins[bounds[p]:bounds[p + 1]], outs[bounds[p]:bounds[p + 1]]), loss) for p in range(nb_part)]
 
 
 def _alive(t: Training, nb_part: int, chunks: int, rank: int) -> int:
@@ -93,7 +102,7 @@ def _micro_batch(costs: Sequence, ins: list[float], micro: int, precision: str, 
 
 
 def _part(costs: list, p: int, nb_part: int, micro: int, chunks: int, t: Training, owned: int | None, arch: str,
-          traced: bool, alive: int, contents: str, io: tuple[list[float], list[float]]) -> PartMemory:
+          traced: bool, alive: int, contents: str, io: tuple[list[float], list[float]], loss: bool) -> PartMemory:
     """One part's step: static state, then the largest of its moments (kit.memory's): the last forward, the first
     micro-batch back (gradients filled as it goes), a later one (every gradient there, one added to), the step."""
     first, last, stage = p == 0, p == nb_part - 1, t.layout == "stage"
@@ -123,6 +132,8 @@ def _part(costs: list, p: int, nb_part: int, micro: int, chunks: int, t: Trainin
                 (alive - 2, one), (1, upto), (1, later), (1, {"grads": sum(grads)})]
     moments["optimizer step"] = [(1, {"grads": sum(grads), "transient": _step_temporary(
         largest, owned if owned is not None else numel, arch)})]
+    if last and loss:
+        _loss_moments(moments, costs[-1], len(costs) - 1, outs[-1], micro, chunks, alive, one, sum(grads), stage)
     where = max(moments, key=lambda w: sum(k * sum(x.values()) for k, x in moments[w]))
     terms = _add((1, static), *moments[where])
     m = PartMemory(p, contents, per_micro_batch=int(sum(one.values())), alive=alive, peak_at=where,
@@ -151,3 +162,38 @@ def _flowing(into: float, out: float, micro: int, redone: float) -> float:
     checkpointing the input's gradient comes last, once what the layer recomputed (`redone`) is mostly freed: the
     larger of the two counts."""
     return out * micro + max(0.0, into * micro - redone)
+
+
+
+def _loss_moments(moments: dict[str, list[tuple[int, dict]]], c: object, j: int, out: float, micro: int,
+                  chunks: int, alive: int, one: dict, grads: float, stage: bool) -> None:
+    """The last part's output and the trainers' loss on it (LOSS_COPIES), added to its moments: `out`, the model's
+    output per sample in the step's precision (`c`, the last layer, the part's layer `j`). The replica layout's Pipe
+    gathers the micro-batches' outputs into one batch (torch.cat) and the loss runs once on it: the earlier
+    micro-batches' outputs wait for the gather during the forward; the gathered output (the trainer keeps it for the
+    step's figures) and its gradient (the micro-batches' slices are views of it) live through the whole backward.
+    The stage layout's schedule runs the loss on each micro-batch and keeps every output (PipelineStage.output_chunks,
+    torch 2.4-2.13 stage.py) until the next step clears them, merged into one batch (merge_chunks: one more copy)
+    after the last backward."""
+    elems = 1
+    for n in c.out_shape:
+        elems *= n
+    f32 = 4.0 * elems
+    temps = (f32 if out < f32 else 0.0) + LOSS_COPIES * f32  # out.float() (a copy below fp32), then the backward's
+    batch = micro * chunks
+    for where, terms in moments.items():
+        if where.startswith("forward") and not stage:
+            terms.append((1, {"transient": (chunks - 1) * micro * out}))
+        elif where.startswith("backward") and not stage:  # less the output's gradient _flowing counts (a slice)
+            mine = micro * out if where.startswith(f"backward of layer {j},") else 0.0
+            terms.append((1, {"transient": 2 * batch * out - mine}))
+        elif where.startswith("backward"):  # the outputs kept so far
+            terms.append((1, {"transient": (batch if "later" in where else alive * micro) * out}))
+        elif stage:  # the optimizer step: the outputs kept
+            terms.append((1, {"transient": batch * out}))
+    if stage:
+        moments["the loss of the last micro-batch"] = [(alive, one), (1, {"grads": grads * (chunks > 1)}),
+                                                      (1, {"transient": batch * out + micro * temps})]
+        moments["the outputs merged (merge_chunks)"] = [(1, {"grads": grads, "transient": 2 * batch * out})]
+    else:
+        moments["the loss over the gathered output"] = [(alive, one), (1, {"transient": batch * (out + temps)})]

@@ -4,7 +4,8 @@ nb_part parts for every --split (even, time, memory; with or without --activatio
 (kit.train.own), the checker (kit.own_split), --advise (kit.advise.advise_layers) and python -m kit.own_model all
 ask Model.sizes, so the split one of them shows is the split the others run. No torch here: kit.own_model builds
 and measures the layers, this module reads their classes and attributes (the checker's path stays free of torch).
-Owns: KIT_CLASSES, ModelError, LayerCost, Model (its splits, which layers checkpointing recomputes), recognise,
+Owns: KIT_CLASSES, ModelError, LayerCost, Model (its splits, which layers checkpointing recomputes, its tied weights
+and the splits the trainers refuse: Model.refusal), recognise,
 what --sample means (default_sample, is_token_ids).
 Imports: kit.arguments, kit.layer_memory, kit.plan.
 """
@@ -16,7 +17,7 @@ from typing import Sequence
 
 from kit.arguments import SPLITS
 from kit.layer_memory import estimate_peaks
-from kit.plan import layer_split
+from kit.plan import layer_split, split_contents
 
 # Where the kit's own Transformer's classes are defined, by class name: a --model whose first layer is the kit's
 # Encoder and whose last is its Decoder gets the page's even split (the Encoder with the first part, the Decoder with
@@ -98,12 +99,13 @@ def recognise(layers: Sequence[object], sample_shape: Sequence[int], sample_floa
 
 
 def part_peak(costs: Sequence[LayerCost], micro: int, alive: int, precision: str = "fp32",
-              checkpointing: bool = False) -> float:
+              checkpointing: bool = False, loss: bool = True) -> float:
     """The peak of a GPU holding `costs` alone, with `alive` micro-batches of `micro` samples in flight (GPipe:
     all of them): kit.layer_memory's estimate (weights, AdamW, gradients, DDP's bucket, the micro-batches' saved
-    tensors, precision, checkpointing, the gradients in flight, AdamW's step), without the allowance. The cost per
-    layer the split by memory balances."""
-    return float(estimate_peaks(costs, [len(costs)], micro, alive, precision, checkpointing=checkpointing)[0].peak)
+    tensors, precision, checkpointing, the gradients in flight, AdamW's step, the loss on the output where `loss`:
+    the model's last layer), without the allowance. The cost per layer the split by memory balances."""
+    return float(estimate_peaks(costs, [len(costs)], micro, alive, precision, checkpointing=checkpointing,
+                                loss=loss)[0].peak)
 
 
 @dataclass
@@ -115,6 +117,8 @@ class Model:
     costs: list[LayerCost] = field(repr=False)
     ends: bool = False  # the kit's Encoder first and its Decoder last (recognise)
     kit: dict | None = None  # the kit's whole Transformer: its arguments (kit.memory's estimate applies to it)
+    shared: list[tuple[int, int, str]] = field(default_factory=list)  # tied weights: (the layer that owns the
+    # parameter, a later layer that uses the same Parameter object, its name in the first), counted in the first only
 
     @property
     def names(self) -> list[str]:
@@ -150,8 +154,8 @@ class Model:
         if split == "time":
             return list(times) if times else [c.flops for c in self.costs]
         if split == "memory":
-            return [part_peak([c], micro, chunks, precision, checkpointing and again)
-                    for c, again in zip(self.costs, self.recomputed())]
+            return [part_peak([c], micro, chunks, precision, checkpointing and again, loss=i == self.nlayers - 1)
+                    for i, (c, again) in enumerate(zip(self.costs, self.recomputed()))]
         raise ModelError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
 
     def sizes(self, nb_part: int, split: str = "even", micro: int = 1, chunks: int = 1, precision: str = "fp32",
@@ -166,6 +170,32 @@ class Model:
                 "layout), or return the model as finer layers")
         costs = self.layer_costs(split, micro, chunks, precision, checkpointing, times)
         return layer_split(self.nlayers, nb_part, costs, ends=self.ends and self.nlayers - 2 >= nb_part)
+
+    def refusal(self, sizes: Sequence[int], layout: str, others: dict[str, list[int]] | None = None) -> str | None:
+        """One line where the trainers cannot run this split as written, with the fix, else None: a weight tied
+        across two parts (each part would train its own copy: untied in silence), or, in the stage layout, a stage
+        without parameters (each stage has its own AdamW and DDP, which refuse an empty parameter list). `others`:
+        the other splits' sizes (Model.splits), one of which may be the fix."""
+        part = [p for p, n in enumerate(sizes) for _ in range(n)]
+        names, contents = self.names, split_contents(sizes)
+        fine = [k for k, alt in (others or {}).items() if self.refusal(alt, layout) is None]
+        another = f"--split {fine[0]} ({list(others[fine[0]])}), " if fine else ""
+        for a, b, param in self.shared:
+            if part[a] != part[b]:
+                return (f"--model {self.spec}: layers {names[a]!r} and {names[b]!r} share the parameter {param} (tied "
+                        f"weights), and the split puts them on parts {part[a]} and {part[b]}, which would each train "
+                        f"a copy of it: untie them in your model (Hugging Face: tie_word_embeddings=False), or give "
+                        f"{another}a split that keeps layers {a}-{b} on one part"
+                        + (" (here the whole model: one part)" if (a, b) == (0, self.nlayers - 1) else ""))
+        empty = [p for p in range(len(sizes)) if layout == "stage"
+                 and not any(c.params for c in self.costs[sum(sizes[:p]):sum(sizes[:p + 1])])]
+        if empty:
+            p = empty[0]
+            held = ", ".join(n.split(": ", 1)[-1] for n in names[sum(sizes[:p]):sum(sizes[:p + 1])])
+            return (f"--model {self.spec}: stage {p} ({contents[p]}: {held}) has no parameter to train, and each "
+                    f"stage trains with its own optimizer and DDP: use {another}fewer stages (--pp), or return "
+                    "those layers inside the layer before them")
+        return None
 
     def splits(self, nb_part: int, micro: int = 1, chunks: int = 1, precision: str = "fp32",
                checkpointing: bool = False, times: Sequence[float] | None = None) -> dict[str, list[int]]:

@@ -14,13 +14,15 @@ trainers run; the command shows each (the page's even one, and the ones balanced
 part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer is kit.memory's estimate
 itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers). Its options
 are the trainers' own (kit.arguments), with their defaults, and a few of its own.
-Owns: the measurement (measure, layer_costs, its cache), describe, the command. Imports: kit.advise, kit.arguments,
+Owns: the measurement (measure, layer_costs, its cache), describe (tied weights found and counted once:
+shared_parameters, count_once), the command. Imports: kit.advise, kit.arguments,
 kit.bounded, kit.findings, kit.layer_memory, kit.memory, kit.model, kit.schedules, kit.site,
 kit.trainer_checks (torch: only in this mode, never on the checker's plain path).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -318,7 +320,38 @@ def describe(spec: str, sample: str, use_cache: bool = True) -> Model:
     layers, _ = build_layers(spec)
     x = sample_batch(sample)()
     ends, kit = recognise(layers, list(x.shape), x.is_floating_point())
-    return Model(spec, sample, costs, ends, kit)
+    shared = shared_parameters(layers)
+    return Model(spec, sample, count_once(costs, shared, layers), ends, kit, shared)
+
+
+def shared_parameters(layers: Sequence[nn.Module]) -> list[tuple[int, int, str]]:
+    """Tied weights: (the first layer that holds a Parameter, a later layer holding the same object, its name in the
+    first), as GPT-2's lm_head holds its wte's weight (Hugging Face's tie_word_embeddings)."""
+    first: dict[int, tuple[int, str]] = {}
+    out = []
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():  # (each Parameter once within a layer)
+            owner, where = first.setdefault(id(p), (i, name))
+            if owner != i:
+                out.append((owner, i, where))
+    return out
+
+
+def count_once(costs: list[LayerCost], shared: list[tuple[int, int, str]],
+               layers: Sequence[nn.Module]) -> list[LayerCost]:
+    """The costs with each tied weight counted in its first layer only (its parameters, bytes and tensors): one
+    Parameter, one gradient, one AdamW state, where the trainers keep them on one part (kit.model.Model.refusal
+    refuses a split that would not)."""
+    costs = list(costs)
+    for owner, user, name in shared:
+        p = layers[owner].get_parameter(name)
+        c = costs[user]
+        tensors = list(c.tensors)
+        if p.numel() in tensors:
+            tensors.remove(p.numel())
+        costs[user] = dataclasses.replace(c, params=c.params - p.numel(),
+                                          param_bytes=c.param_bytes - p.numel() * p.element_size(), tensors=tensors)
+    return costs
 
 
 def memory_lines(parts: Sequence, gib: float | None, gpu: str) -> list[str]:
@@ -360,6 +393,8 @@ def table(model: Model, nb_part: int, micro: int, chunks: int, times: Sequence[f
             start += n
         lines.append(f"split by {kind:6s} {sizes}: " + " | ".join(parts))
         lines += memory_lines(peaks, gib, gpu)
+        why = model.refusal(sizes, estimate.get("layout", "replica"))
+        lines += [f"  the trainers refuse this split: {why}"] if why else []
     lines.append(f"(FLOPs of one micro-batch of {micro}, forward and backward; the peak of each part's GPU: "
                  "kit.layer_memory, docs/own_model.md"
                  + ("; the kit's own Transformer: kit.memory's estimate itself" if model.kit else "") + ")")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kit.arguments import Training, model_args
 from kit.layer_memory import estimate_peaks, one_stage_a_task
 from kit.memory import GIB, PartMemory
-from kit.model import Model, default_sample
+from kit.model import Model, ModelError, default_sample
 from kit.plan import split_contents
 
 
@@ -50,16 +50,21 @@ class ModelPlan:
 
 @functools.lru_cache(maxsize=8)  # the checker asks for the split, then for the memory of the same line
 def plan_model(spec: str, sample: str, nb_part: int, split: str, micro: int, chunks: int,
-               precision: str = "fp32", checkpointing: bool = False) -> ModelPlan:
+               precision: str = "fp32", checkpointing: bool = False, layout: str = "replica") -> ModelPlan:
     """Describe the model (measured, cached) and split it over nb_part (Model.sizes): kit.model.ModelError, one line
-    naming the value and its fix, where the model does not load, is not a sequence, does not take the sample, or
-    has fewer layers than parts."""
+    naming the value and its fix, where the model does not load, is not a sequence, does not take the sample, has
+    fewer layers than parts, or is split where the `layout`'s trainer cannot run it (Model.refusal: weights tied
+    across parts, a stage without parameters)."""
     from kit import own_model
     # a layer that refuses fake tensors is measured otherwise and said in one line by kit.own_model: torch's own
     # traceback of it (logged at ERROR by FakeTensorMode) would bury that line
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     model = own_model.describe(spec, sample)
-    return ModelPlan(model, split, model.sizes(nb_part, split, micro, chunks, precision, checkpointing))
+    sizes = model.sizes(nb_part, split, micro, chunks, precision, checkpointing)
+    if model.refusal(sizes, layout) is not None:
+        others = {k: v for k, v in model.splits(nb_part, micro, chunks, precision, checkpointing).items() if k != split}
+        raise ModelError(model.refusal(sizes, layout, others))
+    return ModelPlan(model, split, sizes)
 
 
 def line_plan(t: Training, nb_part: int, cpu: bool) -> ModelPlan:
@@ -67,7 +72,7 @@ def line_plan(t: Training, nb_part: int, cpu: bool) -> ModelPlan:
     model = model_args(t, cpu)
     sample = t.sample or default_sample(model["batch_size"], model["seq_len"])
     return plan_model(t.model_spec, sample, nb_part, t.split, max(1, model["batch_size"] // model["chunks"]),
-                      model["chunks"], t.precision, t.activation_checkpointing)
+                      model["chunks"], t.precision, t.activation_checkpointing, t.layout)
 
 
 def checker_note(t: Training, nb_part: int, cpu: bool) -> tuple[ModelPlan, str]:
@@ -105,7 +110,10 @@ def own_fixes(t: Training, nb_part: int, replicas: int, arch: str, v100: bool, g
         tries.append((f"--batch-size {half}", dataclasses.replace(t, batch_size=half)))
     now, out = max(part.total for part in own_memory(t, nb_part, replicas, arch)), []
     for text, alt in tries:
-        worst = max(part.total for part in own_memory(alt, nb_part, replicas, arch))
+        try:
+            worst = max(part.total for part in own_memory(alt, nb_part, replicas, arch))
+        except ModelError:  # a split the trainer would refuse (Model.refusal) is no fix
+            continue
         if worst < 0.95 * now:
             out.append(f"{text}: {worst / GIB:.1f} GiB" + (" (fits)" if worst / GIB <= gib else ""))
     return out + ["more GPUs per replica (nb_part), or finer layers for the split to balance"]

@@ -46,7 +46,7 @@ class OwnModel:
         return self.kit_data
 
 
-def resolve_model(cfg: argparse.Namespace, nb_part: int) -> OwnModel | None:
+def resolve_model(cfg: argparse.Namespace, nb_part: int, layout: str = "replica") -> OwnModel | None:
     """--model's verdict, on every task before any process group (the same verdict everywhere, rank 0 says it:
     ArgumentError, exit 2): it loads, is a sequence, takes --sample, has nb_part layers at least. Sets what the rest
     of the run reads of it: --sample's default, --seq-len from a token-id sample, nlayers and the split's sizes."""
@@ -57,7 +57,7 @@ def resolve_model(cfg: argparse.Namespace, nb_part: int) -> OwnModel | None:
     try:  # a first measurement of a large model takes minutes: a stop signal then ends the run at once (issue 42)
         with stoppable(f"measuring --model {cfg.model_spec} (its first run; later runs read the cache)"):
             plan = plan_model(cfg.model_spec, cfg.sample, nb_part, cfg.split, max(1, cfg.batch_size // cfg.chunks),
-                              cfg.chunks, cfg.precision, cfg.activation_checkpointing)
+                              cfg.chunks, cfg.precision, cfg.activation_checkpointing, layout)
         x = own_model.sample_batch(cfg.sample)()
     except own_model.ModelError as exc:
         raise kit.arguments.ArgumentError(str(exc)) from None

@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""The model families users bring (issue 41), each planned by the kit and checked against torch's own counters:
+parameters (kit.own_model's, tied weights once) against the numel of the model's unique parameters, FLOPs (the sum of
+the layers' measured FLOPs) against torch.utils.flop_counter.FlopCounterMode on a real forward and backward of the
+whole model, and each part's memory estimate (kit.layer_memory, the trainers' loss included) against MemTracker's
+peak on a real CPU step as the replica trainer runs it (benchmarks/own_model_memory.py's step).
+
+    python benchmarks/model_zoo.py          # the table of docs/own_model.md
+
+The models are tests/zoo_families.py's, written for this (GPT-2 and BERT from transformers' configs, random-init; an
+LSTM classifier, a long-context encoder of nn.TransformerEncoderLayer, a ResNet-like and a U-Net-like model), at
+sizes that run in minutes on 2 cores; torchvision's ResNet-18 and ViT-B/16 and timm's ViT-S/16 where they import
+(beside torch 2.14.1 only), else their row says why not.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+import kit.own_model as own  # noqa: E402
+import own_model_memory  # noqa: E402
+from memory_grid import table  # noqa: E402
+
+FAMILIES = str(ROOT / "tests" / "zoo_families.py")
+# name: (--model, --sample, layers per part, chunks)
+ZOO = {
+    "GPT-2 LM (tied, 1 part)": (f"{FAMILIES}:gpt2_tiny_lm", "8x32", [4], 2),
+    "GPT-2 LM (untied)": (f"{FAMILIES}:gpt2_tiny_lm_untied", "8x32", [2, 2], 2),
+    "GPT-2 2-class": (f"{FAMILIES}:gpt2_tiny_classifier", "8x32", [2, 2], 2),
+    "BERT 2-class": (f"{FAMILIES}:bert_tiny_classifier", "8x32", [2, 2], 2),
+    "LSTM classifier": (f"{FAMILIES}:lstm_classifier", "8x32", [2, 2], 2),
+    "long-context encoder": (f"{FAMILIES}:long_encoder", f"{FAMILIES}:long_sample", [3, 3], 2),
+    "ResNet-like": (f"{FAMILIES}:resnet_like", f"{FAMILIES}:image_sample", [3, 3], 2),
+    "U-Net-like": (f"{FAMILIES}:unet_like", f"{FAMILIES}:unet_sample", [2, 1], 2),
+}
+# the families from packages the kit does not depend on: their function, and the package it needs
+PACKAGED = {"torchvision ResNet-18": "torchvision", "torchvision ViT-B/16": "torchvision", "timm ViT-S/16": "timm"}
+
+
+def unique_params(layers: list[nn.Module]) -> int:
+    return sum(p.numel() for p in {id(p): p for layer in layers for p in layer.parameters()}.values())
+
+
+def torch_flops(spec: str, sample: str) -> float:
+    """FlopCounterMode's count of one forward and backward of the whole model, built for real, on the sample."""
+    torch.manual_seed(0)
+    layers, _ = own.build_layers(spec, device="cpu")
+    x, _ = own_model_memory.real_batch(sample, 2)
+    with FlopCounterMode(display=False) as counter:
+        y = nn.Sequential(*layers)(x)
+        y.float().pow(2).mean().backward()
+    return float(counter.get_total_flops())
+
+
+def family(name: str) -> list[dict]:
+    """One row a part: the model's parameters and FLOPs (the kit's and torch's), the part's memory (the estimate and
+    MemTracker's peak)."""
+    spec, sample, sizes, chunks = ZOO[name]
+    model = own.describe(spec, sample)
+    layers, _ = own.build_layers(spec, device="meta")
+    batch = own.sample_batch(sample)().shape[0]
+    own_model_memory.MODELS[name] = (spec, sample)
+    start = time.monotonic()
+    parts = own_model_memory.compare(name, sizes, chunks, "fp32", False)
+    seconds = time.monotonic() - start
+    common = dict(family=name, params=sum(c.params for c in model.costs), torch_params=unique_params(layers),
+                  flops=model.flops_per_sample * batch, torch_flops=torch_flops(spec, sample), sizes=sizes,
+                  chunks=chunks, batch=batch, seconds=seconds)
+    return [dict(common, **r) for r in parts]
+
+
+def packaged(name: str) -> str:
+    """Why a packaged family has no row here (its package does not import beside this torch)."""
+    try:
+        __import__(PACKAGED[name])
+    except ImportError as exc:
+        return (f"{name}: skipped, {PACKAGED[name]} does not import here ({exc}); it installs beside torch 2.14.1 "
+                "only (requirements-torch-2.14.1.txt's lane)")
+    return f"{name}: {PACKAGED[name]} imports, but this benchmark has no row for it yet"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", choices=list(ZOO), help="these families only")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    start, rows = time.monotonic(), []
+    for name in args.only or ZOO:
+        rows += family(name)
+    ratio = lambda a, b: f"{a / b:.3f}" if b else ("1 (both 0)" if not a else "torch 0")  # noqa: E731
+    print(table([("family", "---", lambda r: r["family"]), ("layers per part", "---", lambda r: r["sizes"]),
+                 ("params (kit)", "---:", lambda r: f"{r['params']:,}"),
+                 ("params / numel", "---:", lambda r: ratio(r["params"], r["torch_params"])),
+                 ("MFLOP (kit)", "---:", lambda r: f"{r['flops'] / 1e6:.2f}"),
+                 ("FLOPs / FlopCounterMode", "---:", lambda r: ratio(r["flops"], r["torch_flops"])),
+                 ("part", "---:", lambda r: r["part"]),
+                 ("MemTracker KiB", "---:", lambda r: f"{r['measured'] / 1024:.0f}"),
+                 ("estimate / MemTracker", "---:", lambda r: f"{r['ratio']:.3f}")], rows))
+    for name in PACKAGED:
+        print(packaged(name))
+    lo, hi = min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)
+    exact = all(r["params"] == r["torch_params"] for r in rows)
+    print(f"\n{len(rows)} parts of {len({r['family'] for r in rows})} families: parameters "
+          f"{'exact' if exact else 'NOT exact'}, memory estimate / MemTracker from {lo:.3f} to {hi:.3f} (target 0.90 "
+          f"to 1.10); {time.monotonic() - start:.0f} s on torch {torch.__version__}")
+    return 0 if exact and 0.9 <= lo and hi <= 1.1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
