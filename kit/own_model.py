@@ -344,7 +344,8 @@ def _measure_real(spec: str, index: int, name: str, why: Exception,
             cost, outs = _measure_one(layer, real, name, "cpu")
         except Exception as exc:
             raise ModelError(f"--model {spec}: layer {name} fails on its input: {type(exc).__name__}: "
-                             f"{first_line(exc)[:200]}") from None
+                             f"{first_line(exc)[:200]}; fix that layer, or give --sample the batch the model "
+                             "takes") from None
     print(f"own_model: layer {name} does not run under fake tensors ({first_line(why)[:200]}); measured by a real CPU "
           "forward on batches of one and two", file=sys.stderr)
     # the next layers go on under fake tensors, at the sample's batch
