@@ -506,8 +506,10 @@ def table(model: Model, nb_part: int, micro: int, chunks: int, times: Sequence[f
         start, parts = 0, []
         for n, m in zip(sizes, peaks):
             part = costs[start:start + n]
-            parts.append(f"layers {start}-{start + n - 1}: {sum(c.flops for c in part) * micro / 1e9:.3f} GFLOP, "
-                         f"{m.total / GIB:.3f} GiB")
+            gflop = sum(c.flops for c in part) * micro / 1e9
+            word = (" (FLOPs not counted)" if any(c.flops_missed for c in part) else
+                    " (no matmul or convolution: elementwise FLOPs are not counted)" if gflop == 0 else "")
+            parts.append(f"layers {start}-{start + n - 1}: {gflop:.3f} GFLOP{word}, {m.total / GIB:.3f} GiB")
             start += n
         lines.append(f"split by {kind:6s} {sizes}: " + " | ".join(parts))
         lines += memory_lines(peaks, gib, gpu)
@@ -593,6 +595,8 @@ def checker_advise(args: argparse.Namespace, t: Training) -> int:
         model = describe_isolated(t.model_spec, sample)
     except ModelError as exc:
         raise UsageError(str(exc)) from None
+    if model.flops_missed():  # the ranking's speed proxy is the FLOPs
+        print(f"note: {model.flops_missed()}: the ranking's FLOPs proxy leaves them out")
     for batch in batches:
         rows = advise_layers(model, job.nodes * gpn, gib, requested_arch(is_v100(job))[0], batch)
         print(advise_layers_text(rows, job.nodes * gpn, gib, source, batch, args.top))
@@ -611,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     gib, gpu, arch = gpu_of(args.arch, args.gpu_mem)
     batch, chunks = m["batch_size"], m["chunks"]
     if args.advise:
+        if model.flops_missed():  # the ranking's speed proxy is the FLOPs
+            print(f"note: {model.flops_missed()}: the ranking's FLOPs proxy leaves them out")
         rows = advise_layers(model, args.gpus, gib, arch, args.global_batch or batch)
         print(advise_layers_text(rows, args.gpus, gib, gpu, args.global_batch or batch, args.top))
         return 0 if any(r["fits"] for r in rows) else 1

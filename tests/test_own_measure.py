@@ -292,3 +292,17 @@ def test_a_computing_op_without_a_formula_is_named_and_time_split_refused(monkey
         model.sizes(2, "time")
     assert model.sizes(2, "even") == [1, 1]
     assert math.isfinite(model.flops_per_sample)
+
+
+def test_no_part_shows_zero_gflop_without_a_word(models):
+    """A part of elementwise layers alone (a ReLU) has no FLOP the counter counts: the table says why, and a part
+    with ops the kit cannot count says that."""
+    spec, sample = f"{models}/models.py:mlp", f"{models}/models.py:vector"
+    model = kit.model.Model(spec, sample, own.measure(spec, sample))
+    text = own.table(model, 3, 2, 2)
+    assert "layers 1-1: 0.000 GFLOP (no matmul or convolution: elementwise FLOPs are not counted)" in text
+    model.costs[0].flops_missed = ["mkldnn_rnn_layer"]
+    text = own.table(model, 3, 2, 2)
+    assert "FLOPs not counted (mkldnn_rnn_layer)" in text and "split by time   [" not in text
+    assert "layers 0-0: 0.000 GFLOP (FLOPs not counted)" in text
+    assert "no split by time on these FLOPs" in text
