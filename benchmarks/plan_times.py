@@ -3,7 +3,7 @@ measured as the checker measures it (kit.measure_child.describe_isolated: a boun
 with its layers, parameters, FLOPs per sample and how its layers were measured. The target: under 60 s cold on 2
 cores, the LSTM included.
 
-    python benchmarks/plan_times.py            # every family (GPT-2 and BERT skipped, with the reason, without transformers)
+    python benchmarks/plan_times.py            # every family (GPT-2, BERT: skipped without transformers)
     python benchmarks/plan_times.py lstm unet  # some
 """
 from __future__ import annotations

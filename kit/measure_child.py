@@ -90,8 +90,8 @@ def _run_child(result: Path, log: Path, args: list[str], seconds: float, gib: fl
     code = CHILD
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")  # the address space: no thread pool's arenas
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), str(result), str(gib), *args],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+        argv = [sys.executable, "-c", code, json.dumps(sys.path), str(os.getpid()), str(result), str(gib), *args]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
             rc = proc.wait(timeout=seconds)
@@ -155,6 +155,19 @@ def _model_of(spec: str, sample: str, answer: object) -> Model:
     return Model(spec, sample, costs_from_json(answer["costs"]), answer["ends"], kit)
 
 
+def _die_with_parent(parent: int) -> None:
+    """The child ends when the checker (pid `parent`) does (SIGTERM, SIGKILL: its own session keeps it from the
+    terminal's signals otherwise): Linux's PR_SET_PDEATHSIG (prctl(2)), then a check that the parent did not end
+    before it was set."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError, ctypes.ArgumentError):  # not Linux: the parent's wall-clock bound still ends it
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _out_of_memory(text: str) -> bool:
     """Python's MemoryError or torch's CPU allocator's refusal ("DefaultCPUAllocator: can't allocate memory"), as an
     error's text says them: the memory bound reached."""
@@ -166,7 +179,8 @@ def child_main(argv: list[str], describe: Callable[[], Callable[..., Model]]) ->
     bound) on the model; its answer (or the one line that refuses the model) written to the parent's file. Exit 3:
     over the memory bound."""
     import resource
-    result, gib, spec, sample, use_cache = argv
+    parent, result, gib, spec, sample, use_cache = argv
+    _die_with_parent(int(parent))
     limit = int(float(gib) * 2 ** 30)
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))

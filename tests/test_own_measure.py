@@ -63,7 +63,7 @@ def check(tmp_path: Path, fn: str, sample: str = "sample", **env: str) -> subpro
                                      ("aborts", "killed by SIGABRT"), ("allocates", "over the memory bound of 8 GiB"),
                                      ("sleeps", "no answer after 5 s")])
 def test_whatever_the_models_code_does_the_checker_says_one_line_and_exits_2(tmp_path, fn, why):
-    r = check(tmp_path, fn, KIT_MEASURE_SECONDS="5")
+    r = check(tmp_path, fn, **({"KIT_MEASURE_SECONDS": "5"} if fn == "sleeps" else {}))  # the others: the default
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     assert lines[0].startswith(f"measuring your model: importing hostile.py, calling {fn}()"), r.stderr
@@ -306,3 +306,42 @@ def test_no_part_shows_zero_gflop_without_a_word(models):
     assert "FLOPs not counted (mkldnn_rnn_layer)" in text and "split by time   [" not in text
     assert "layers 0-0: 0.000 GFLOP (FLOPs not counted)" in text
     assert "no split by time on these FLOPs" in text
+
+
+def test_the_child_ends_with_the_checker(tmp_path):
+    """SIGKILL to the checker while its child measures a model that hangs: the child (its own session, out of reach
+    of the terminal's signals) goes too, not 300 s later."""
+    import os
+    import signal
+    import time
+    (tmp_path / "hostile.py").write_text(HOSTILE)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "check_topology.py"), "--nodes", "1", "--gpus-per-node", "8",
+                             "--ntasks-per-node", "1", "--nb-part", "2", "--model", "hostile.py:sleeps", "--sample",
+                             "hostile.py:sample"], cwd=tmp_path, env=clean_env(), stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline().startswith("measuring your model")
+    deadline = time.monotonic() + 60
+    children = []
+    while not children and time.monotonic() < deadline:  # the child, by its parent's pid
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent_of(int(p)) == proc.pid]
+        time.sleep(0.05)
+    assert children, "no measuring child seen"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    while time.monotonic() < deadline and Path(f"/proc/{children[0]}").exists() and \
+            _state_of(children[0]) != "Z":
+        time.sleep(0.05)
+    assert not Path(f"/proc/{children[0]}").exists() or _state_of(children[0]) == "Z"
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
