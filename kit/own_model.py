@@ -6,15 +6,19 @@ a shape of token ids such as 32x128), and each layer measured without a GPU, in 
 
 The layers are built on the meta device (no memory) and run under fake tensors on the CPU (no data, no compute):
 one forward and backward per layer and precision gives its parameters, the bytes autograd saves for the backward
-(fp32, and under bf16 or fp16 autocast), its FLOPs (torch.utils.flop_counter), and the bytes and shape of its output,
-which is what a part boundary sends. A layer that cannot run under fake tensors (data-dependent control flow) is
-measured by a real CPU forward on batches of one and two, and said. Results are cached by the model's source and the
-shapes. `describe` gives the kit.model.Model of it (the kit's Transformer recognised there), whose splits the
-trainers run; the command shows each (the page's even one, and the ones balanced by FLOPs or by memory), each
+(fp32, and under bf16 or fp16 autocast), its FLOPs (torch.utils.flop_counter, with formulas for the CPU's fused RNN
+and attention kernels it lacks), and the bytes and shape of its output, which is what a part boundary sends; a layer
+working in place gets its input as the model gives it (not a leaf). A layer that cannot run under fake tensors
+(data-dependent control flow) is built alone for real and measured by a CPU forward on batches of one and two, and
+said. The sample is described under fake tensors, never allocated. Results are cached by the sources of the model's
+modules, its shapes and the sample, and checked when read back. The command (and the checker) run all this in a
+bounded child process (kit.measure_child), which calls `describe`; the trainers call it themselves. `describe`
+gives the kit.model.Model of it (the kit's Transformer recognised there), whose splits the trainers run; the
+command shows each (the page's even one, and the ones balanced by FLOPs or by memory), each
 part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer is kit.memory's estimate
 itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers). Its options
 are the trainers' own (kit.arguments), with their defaults, and a few of its own.
-Owns: the measurement (measure, layer_costs, its cache), describe, the command. Imports: kit.advise, kit.arguments,
+Owns: the measurement (measure, layer_costs, its cache, the FLOP formulas), describe, the command. Imports: kit.advise, kit.arguments,
 kit.bounded, kit.findings, kit.layer_memory, kit.measure_child, kit.memory, kit.model, kit.schedules, kit.site,
 kit.trainer_checks (torch: only in this mode, never on the checker's plain path).
 """
