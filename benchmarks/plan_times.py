@@ -26,6 +26,7 @@ CASES = {  # name -> (--model, --sample, what it is)
     "gpt2": ("gpt2", "tokens", "GPT-2 small (transformers), 8 x 512 tokens"),
     "bert": ("bert", "tokens", "BERT-base (transformers), 8 x 512 tokens"),
     "lstm": ("lstm", "tokens", "LSTM classifier (2 layers, hidden 1024), 8 x 512 tokens"),
+    "gru": ("gru", "tokens", "GRU classifier (2 layers, hidden 1024), 8 x 512 tokens"),
     "encoder": ("encoder", "long_tokens", "8 nn.TransformerEncoderLayer (d 512), 2 x 4096 tokens"),
     "resnet": ("resnet", "images", "ResNet-50-like, 16 x 3 x 224 x 224"),
     "unet": ("unet", "unet_images", "U-Net-like (3 layers: stem, U, head), 8 x 3 x 256 x 256"),
@@ -45,8 +46,9 @@ def row(name: str) -> str:
         t0 = time.perf_counter()
         describe_isolated(spec, sample)
         warm = time.perf_counter() - t0
-    how = ", ".join(f"{sum(c.how == h for c in model.costs)} {h}" for h in ("fake", "cpu")
-                    if any(c.how == h for c in model.costs))
+    kinds = ["fake" if c.how == "fake" else "real CPU" if c.how == "cpu" else "carried from 2-8 steps"
+             for c in model.costs]
+    how = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
     missed = model.flops_missed() or "all counted"
     params = sum(c.params for c in model.costs)
     return (f"| {what} | {model.nlayers} ({how}) | {params / 1e6:.1f} M | {model.flops_per_sample / 1e9:.2f} | "

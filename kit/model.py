@@ -47,7 +47,8 @@ class LayerCost:
     saved_fixed: dict[str, float] = field(default_factory=dict)  # and per micro-batch whatever its size (autocast's
     # low-precision copies of the weights): the two from runs at the sample's batch and at twice it
     saved_checkpointed: float = 0.0  # with activation checkpointing: the layer's input alone, per sample
-    how: str = "fake"  # "fake": fake tensors; "cpu": a real forward on a batch of one (fake tensors failed)
+    how: str = "fake"  # "fake": fake tensors; "cpu": a real forward on a batch of one (fake tensors failed);
+    # "fake, 2-8 steps carried to N": a GRU or RNN measured on a few steps of its sequence (kit.own_model)
     tensors: list[int] = field(default_factory=list)  # elements of each parameter (ZeRO's partition, AdamW's step)
     buffer_bytes: int = 0  # buffers (BatchNorm's running statistics), fp32 beside the weights
     input_saved: dict[str, float] = field(default_factory=dict)  # of `saved`, the layer's input itself, per sample:

@@ -296,7 +296,7 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
         for i, layer in enumerate(layers):
             name = f"{i}: {type(layer).__name__}"
             try:
-                cost, xs = _measure_one(layer, xs, name, "fake")
+                cost, xs = _measure_steps(layer, xs, name) or _measure_one(layer, xs, name, "fake")
             except ModelError as exc:
                 raise ModelError(f"--model {spec}: layer {name} {exc}") from None
             except Exception as exc:  # data-dependent ops (then a real run measures it), or an input it refuses
@@ -310,6 +310,96 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
                                      f"{list(x.shape)} {x.dtype}: {why}; give the shape it takes") from None
             costs.append(cost)
     return costs
+
+
+# ---- recurrent layers run step by step (issue 41, item 8) -----------------------------------------------------------
+# On the CPU a GRU or a plain RNN has no fused kernel (an LSTM has mkldnn_rnn_layer): under fake tensors it runs its
+# steps one by one, some 100 ops a step, minutes for 512 steps. Its figures are affine in the number of steps (each step
+# saves, sends and computes the same), so a layer holding one is measured at STEPS steps and its figures carried to
+# the sample's length, where the three runs show them affine to the byte and the FLOP (else: measured whole).
+STEPS = (2, 4, 8)
+
+
+class _Probe(Exception):
+    """Raised by the pre-hook that reads a recurrent module's input: nothing of the layer runs after it."""
+
+
+def _sequence_dim(layer: nn.Module, x: torch.Tensor, rnns: Sequence[nn.Module]) -> int | None:
+    """The dim of the layer's input that is its first recurrent module's sequence: the one dim which, cut to
+    STEPS[0], gives the module STEPS[0] steps; None where there is not one such dim."""
+    def steps(inp: torch.Tensor) -> int | None:
+        seen: list[int] = []
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+                seen.append(args[0].shape[1 if module.batch_first else 0])
+            raise _Probe
+        handles = [m.register_forward_pre_hook(hook) for m in rnns]
+        try:
+            with torch.no_grad():
+                layer(inp)
+        except _Probe:
+            pass
+        except Exception:  # a cut that the layer refuses before its recurrent module: not the sequence
+            return None
+        finally:
+            for h in handles:
+                h.remove()
+        return seen[0] if seen else None
+    whole = steps(x)
+    dims = [d for d in range(1, x.dim()) if whole and x.shape[d] == whole and steps(x.narrow(d, 0, STEPS[0])) == STEPS[0]]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _affine(values: Sequence[float], steps: int) -> float | None:
+    """The value at `steps` of a figure measured at STEPS, where the three are affine (else None)."""
+    a, b, c = values
+    if abs((c - b) - 2 * (b - a)) > 1e-9 * max(1.0, abs(c)):
+        return None
+    return a + (b - a) * (steps - STEPS[0]) / (STEPS[1] - STEPS[0])
+
+
+def _carried(costs: Sequence[LayerCost], steps: int) -> LayerCost | None:
+    """The LayerCost at `steps` of three measured at STEPS (numbers, numbers by precision, the output's shape),
+    or None where a figure is not affine."""
+    runs = [asdict(c) for c in costs]
+    out = dict(runs[0])
+    for key, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = _affine([r[key] for r in runs], steps)
+            if out[key] is None:
+                return None
+            out[key] = type(v)(round(out[key])) if isinstance(v, int) else out[key]
+        elif isinstance(v, dict):
+            out[key] = {p: _affine([r[key][p] for r in runs], steps) for p in v}
+            if None in out[key].values():
+                return None
+    out["out_shape"] = [steps if (a, b) == STEPS[:2] else a for a, b in zip(runs[0]["out_shape"],
+                                                                            runs[1]["out_shape"])]
+    out["how"] = f"fake, {STEPS[0]}-{STEPS[-1]} steps carried to {steps}"
+    return LayerCost(**out)
+
+
+def _measure_steps(layer: nn.Module, xs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                   name: str) -> tuple[LayerCost, dict] | None:
+    """A layer holding a GRU or a plain RNN, measured at STEPS steps of its sequence and carried to the sample's
+    (_carried); None where it holds none, the sequence is short or not one dim of its input, or the figures are not
+    affine: then it is measured whole."""
+    rnns = [m for m in layer.modules() if isinstance(m, (nn.GRU, nn.RNN))]
+    x = xs["fp32"][0]
+    d = _sequence_dim(layer, x, rnns) if rnns else None
+    if d is None or x.shape[d] <= 2 * STEPS[-1]:
+        return None
+    runs = [_measure_one(layer, {p: tuple(v.narrow(d, 0, t) for v in pair) for p, pair in xs.items()}, name, "fake")
+            for t in STEPS]
+    cost = _carried([c for c, _ in runs], x.shape[d])
+    if cost is None:
+        return None
+    outs = {}
+    for p, pair in runs[0][1].items():
+        shape = [x.shape[d] if (a, b) == STEPS[:2] else a for a, b in zip(pair[0].shape, runs[1][1][p][0].shape)]
+        outs[p] = tuple(torch.empty([v.shape[0], *shape[1:]], dtype=pair[0].dtype) for v in xs[p])
+    return cost, outs
 
 
 def one_layer_for_real(spec: str, index: int) -> nn.Module:

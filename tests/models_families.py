@@ -1,6 +1,6 @@
 """The families of models users bring (issue 41), written here as a user hands them to `--model FILE.py:function`,
 random-initialised from configurations: GPT-2 small and BERT-base (Hugging Face transformers, optional: None where
-it is not installed), an LSTM classifier, a long-context encoder of nn.TransformerEncoderLayer, and a ResNet-like and
+it is not installed), an LSTM classifier (and a GRU one), a long-context encoder of nn.TransformerEncoderLayer, and a ResNet-like and
 a U-Net-like convolutional model of the kit's own (torchvision is not a dependency). Each `*_sample` returns a batch
 of the shape its model takes (values never matter). benchmarks/plan_times.py times their planning."""
 from __future__ import annotations
@@ -88,6 +88,20 @@ class LSTMBody(nn.Module):
 def lstm() -> nn.Sequential:
     """nn.Embedding -> a 2-layer LSTM (hidden 1024, batch first) -> a 2-class head on the last step."""
     return nn.Sequential(nn.Embedding(32000, 512), LSTMBody(512, 1024, 2), Head(1024, -1, norm=False))
+
+
+class GRUBody(nn.Module):
+    def __init__(self, d: int, h: int, n: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(d, h, num_layers=n, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x)[0]
+
+
+def gru() -> nn.Sequential:
+    """The LSTM classifier with a GRU: no fused CPU kernel, so it runs step by step under fake tensors."""
+    return nn.Sequential(nn.Embedding(32000, 512), GRUBody(512, 1024, 2), Head(1024, -1, norm=False))
 
 
 def encoder() -> list[nn.Module]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import kit.arguments
 import kit.measure_child
 import kit.model
 import kit.own_model as own
@@ -345,3 +346,33 @@ def _state_of(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "gone"
+
+
+# ---- recurrent layers run step by step ----------------------------------------------------------------------------
+class GRUBody(nn.Module):
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("rnn, features", [(lambda: nn.GRU(40, 16, num_layers=2, batch_first=True), 40),
+                                           (lambda: nn.RNN(16, 24, batch_first=True), 16)], ids=["gru", "rnn"])
+def test_a_step_by_step_recurrent_layer_is_carried_from_a_few_steps_to_the_same_figures(rnn, features):
+    """A GRU or a plain RNN (no fused CPU kernel: step by step under fake tensors) measured at 2, 4 and 8 steps and
+    carried to 40: every figure equal to the measurement of all 40 steps, the output's shape too (the GRU's input has
+    40 features and 40 steps: the cut says which dim is the sequence)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    layer = GRUBody(rnn())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer.to_empty(device="cpu")
+        xs = {p: tuple(torch.empty([4 * k, 40, features]) for k in (1, 2)) for p in kit.arguments.PRECISIONS}
+        carried, outs = own._measure_steps(layer, xs, "1: GRUBody")
+        whole, whole_outs = own._measure_one(layer, xs, "1: GRUBody", "fake")
+    assert carried.how == "fake, 2-8 steps carried to 40"
+    carried.how = "fake"
+    assert carried == whole
+    assert {p: [list(o.shape) for o in v] for p, v in outs.items()} == \
+        {p: [list(o.shape) for o in v] for p, v in whole_outs.items()}
