@@ -466,11 +466,11 @@ def layer_times(spec: str, sample: str, sizes: Sequence[int] | None = None, repe
         start += n
         inputs.append(x)
         with torch.no_grad():
-            x = parts[-1](x)
+            x = parts[-1](x.clone())  # a part working in place leaves its recorded input as it was
     runs: list[list[float]] = [[] for _ in parts]
     for _ in range(repeats + 2):
         for part, inp, times in zip(parts, inputs, runs):
-            inp = inp.detach().requires_grad_(inp.is_floating_point())
+            inp = _as_in_the_model(inp)  # an in-place first layer runs as in the model
             sync()
             t0 = time.perf_counter()
             y = part(inp)

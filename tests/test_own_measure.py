@@ -173,6 +173,12 @@ def test_in_place_layers_are_measured_as_they_run_in_the_model(models):
     assert [(c.saved["fp32"] * 4, c.flops * 4) for c in costs] == [(float(s), float(f)) for s, f in real]
 
 
+def test_in_place_layers_are_timed_too(models):
+    """--time-layers runs each layer on its real input: an in-place layer first in a part works there too."""
+    times = own.layer_times(f"{models}/models.py:vgg_like", f"{models}/models.py:image", repeats=1)
+    assert len(times) == 5 and all(t > 0 for t in times)
+
+
 def test_the_sample_is_described_not_allocated(models):
     """A 3 GiB sample batch, under a 1.5 GiB address-space limit: its shape read under fake tensors."""
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 * 2 ** 29, resource.RLIM_INFINITY)); "
