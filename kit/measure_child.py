@@ -26,8 +26,9 @@ from kit.model import Model, ModelError, costs_from_json
 # The bounds of one measurement. Time: the kit plans each family it is held to in under 60 s on 2 cores (docs/
 # own_model.md); five times that leaves room for a slow login node and still ends a model that hangs. Memory:
 # fake tensors hold no data and a layer that needs a real run is built alone (kit.own_model.one_layer_for_real),
-# so a measurement stays under 1 GiB of address space (torch's import included, one thread); 8 GiB refuses a build
-# or a sample that allocates for real before it takes a login node's memory.
+# so a measurement's address space is torch's own (one thread): 0.7 GiB with torch 2.13.0+cpu, 4.4 GiB with
+# 2.8.0+cu128 (its CUDA libraries mapped, none used); 8 GiB refuses a build or a sample that allocates for real
+# before it takes a login node's memory.
 MEASURE_SECONDS = 300
 MEASURE_GIB = 8
 RESULT_BYTES = 64 * 2 ** 20  # the answer: a few KiB a layer
