@@ -1,7 +1,8 @@
 """Checking a job: every task's plan (the kit's trainer in depth), then the whole; any other program at the
 Slurm and site level; the launchers' agents and workers. Owns: check_job. Imports: kit.arguments, kit.bounded,
 kit.findings, kit.plan, kit.memory, kit.releases, kit.trainer_checks, kit.slurm, kit.placement, kit.site, kit.shell,
-kit.jobscript, kit.report, kit.own_model and kit.own_split (--model only: torch).
+kit.jobscript, kit.report, kit.model and kit.own_split (--model only: the model is measured in a bounded child
+process, no torch in this one).
 """
 from __future__ import annotations
 
@@ -206,8 +207,8 @@ def own_model_split(report: Report, nb_part: int, cpu: bool) -> None:
                              f"the kit's own Transformer: with --model {t.model_spec} your function builds the layers, "
                              "so the trainer ignores them; leave them out (--seq-len and --vocab-size still shape the "
                              "kit's data)")
-    from kit.own_model import ModelError  # model mode: torch from here on
-    from kit.own_split import checker_note
+    from kit.model import ModelError
+    from kit.own_split import checker_note  # the model measured in a bounded child (kit.measure_child)
     try:
         plan, note = checker_note(t, nb_part, cpu)
     except ModelError as exc:

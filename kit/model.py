@@ -4,18 +4,20 @@ nb_part parts for every --split (even, time, memory; with or without --activatio
 (kit.train.own), the checker (kit.own_split), --advise (kit.advise.advise_layers) and python -m kit.own_model all
 ask Model.sizes, so the split one of them shows is the split the others run. No torch here: kit.own_model builds
 and measures the layers, this module reads their classes and attributes (the checker's path stays free of torch).
-Owns: KIT_CLASSES, ModelError, LayerCost, Model (its splits, which layers checkpointing recomputes, its tied weights
-and the splits the trainers refuse: Model.refusal), recognise,
+Owns: KIT_CLASSES, ModelError, LayerCost (and the check of one read back: costs_from_json), Model (its splits, which
+layers checkpointing recomputes, its tied weights and the splits the trainers refuse: Model.refusal), recognise,
 what --sample means (default_sample, is_token_ids).
 Imports: kit.arguments, kit.layer_memory, kit.plan.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kit.arguments import SPLITS
+from kit.arguments import PRECISIONS, SPLITS
 from kit.layer_memory import estimate_peaks
 from kit.plan import layer_split, split_contents
 
@@ -46,7 +48,8 @@ class LayerCost:
     saved_fixed: dict[str, float] = field(default_factory=dict)  # and per micro-batch whatever its size (autocast's
     # low-precision copies of the weights): the two from runs at the sample's batch and at twice it
     saved_checkpointed: float = 0.0  # with activation checkpointing: the layer's input alone, per sample
-    how: str = "fake"  # "fake": fake tensors; "cpu": a real forward on a batch of one (fake tensors failed)
+    how: str = "fake"  # "fake": fake tensors; "cpu": a real forward on a batch of one (fake tensors failed);
+    # "fake, 2-8 steps carried to N": a GRU or RNN measured on a few steps of its sequence (kit.own_model)
     tensors: list[int] = field(default_factory=list)  # elements of each parameter (ZeRO's partition, AdamW's step)
     buffer_bytes: int = 0  # buffers (BatchNorm's running statistics), fp32 beside the weights
     input_saved: dict[str, float] = field(default_factory=dict)  # of `saved`, the layer's input itself, per sample:
@@ -56,6 +59,51 @@ class LayerCost:
     out_by_precision: dict[str, float] = field(default_factory=dict)  # the output per sample in each precision (a
     # low-precision one under autocast): the next layer's input, what checkpointing keeps of it
     out_shape: list[int] = field(default_factory=list)  # the output's shape per sample (a stage's send, the classes)
+    flops_missed: list[str] = field(default_factory=list)  # ops of the layer FlopCounterMode has no formula for and
+    # kit.own_model none either: its `flops` leave them out (said, and --split time refused on them)
+
+
+# What each LayerCost field holds when it is read back (a cache entry, the measuring child's answer): a number, a
+# number by precision, a list of whole numbers or of names. Anything else, and any number that is not finite and
+# non-negative, is a damaged entry.
+_NUMBERS = ("params", "param_bytes", "flops", "out_bytes", "saved_checkpointed", "buffer_bytes")
+_BY_PRECISION = ("saved", "saved_fixed", "input_saved", "output_saved", "out_by_precision")
+_WHOLE_LISTS = ("tensors", "out_shape")
+
+
+def _fine(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _cost_from_json(raw: object) -> LayerCost:
+    """One LayerCost from its JSON form, every field there and of its kind: ValueError naming the first that is
+    not."""
+    names = {f.name for f in dataclasses.fields(LayerCost)}
+    if not isinstance(raw, dict) or set(raw) != names:
+        got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(f"a layer's fields are {got}, not {sorted(names)}")
+    bad = [k for k in _NUMBERS if not _fine(raw[k])]
+    bad += [k for k in _BY_PRECISION if not (isinstance(raw[k], dict) and set(raw[k]) == set(PRECISIONS)
+                                             and all(_fine(v) for v in raw[k].values()))]
+    bad += [k for k in _WHOLE_LISTS if not (isinstance(raw[k], list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in raw[k]))]
+    bad += [k for k in ("name", "how") if not isinstance(raw[k], str)]
+    bad += [] if isinstance(raw["flops_missed"], list) and all(isinstance(v, str) for v in raw["flops_missed"]) \
+        else ["flops_missed"]
+    if bad:
+        raise ValueError(f"layer {str(raw.get('name'))[:40]!r}: {', '.join(bad)} not finite non-negative numbers "
+                         "of the right kind")
+    return LayerCost(**raw)
+
+
+def costs_from_json(raw: object, nlayers: int | None = None) -> list[LayerCost]:
+    """The layers' costs read back from JSON (kit.own_model's cache, the measuring child's answer), each field
+    checked (_cost_from_json), `nlayers` of them where it is known: ValueError on any doubt, and the caller measures
+    again or refuses."""
+    if not isinstance(raw, list) or not raw or (nlayers is not None and len(raw) != nlayers):
+        raise ValueError(f"{len(raw) if isinstance(raw, list) else type(raw).__name__} layer(s) where the model has "
+                         f"{nlayers}")
+    return [_cost_from_json(c) for c in raw]
 
 
 def default_sample(batch_size: int, seq_len: int) -> str:
@@ -139,6 +187,12 @@ class Model:
         shape = self.costs[-1].out_shape if self.costs else []
         return shape[0] if len(shape) == 1 else None
 
+    def flops_missed(self) -> str:
+        """'' where every layer's FLOPs are counted, else which are not (the first layer and its ops)."""
+        missed = [c for c in self.costs if c.flops_missed]
+        return "" if not missed else (f"FLOPs not counted in {len(missed)} layer(s) ({missed[0].name}: "
+                                      f"{', '.join(missed[0].flops_missed)})")
+
     def recomputed(self) -> list[bool]:
         """Which layers --activation-checkpointing recomputes in the backward: every one, but for the kit's Encoder
         and Decoder, which the kit's own model never checkpoints (its Layer blocks only)."""
@@ -152,7 +206,14 @@ class Model:
         if split == "even":
             return None
         if split == "time":
-            return list(times) if times else [c.flops for c in self.costs]
+            if times:
+                return list(times)
+            missed = self.flops_missed()
+            if missed:
+                raise ModelError(f"--split time balances the layers' FLOPs, but {missed}: use --split even or memory, "
+                                 f"or time the layers (python -m kit.own_model --model {self.spec} --time-layers, "
+                                 "where the job runs)")
+            return [c.flops for c in self.costs]
         if split == "memory":
             return [part_peak([c], micro, chunks, precision, checkpointing and again, loss=i == self.nlayers - 1)
                     for i, (c, again) in enumerate(zip(self.costs, self.recomputed()))]
@@ -199,7 +260,7 @@ class Model:
 
     def splits(self, nb_part: int, micro: int = 1, chunks: int = 1, precision: str = "fp32",
                checkpointing: bool = False, times: Sequence[float] | None = None) -> dict[str, list[int]]:
-        """Every --split's sizes, by name."""
+        """Every --split's sizes, by name (not time where FLOPs are not counted and no times are given)."""
         return {split: self.sizes(nb_part, split, micro, chunks, precision, checkpointing, times)
-                for split in SPLITS}
+                for split in SPLITS if split != "time" or times or not self.flops_missed()}
 

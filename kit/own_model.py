@@ -6,17 +6,21 @@ a shape of token ids such as 32x128), and each layer measured without a GPU, in 
 
 The layers are built on the meta device (no memory) and run under fake tensors on the CPU (no data, no compute):
 one forward and backward per layer and precision gives its parameters, the bytes autograd saves for the backward
-(fp32, and under bf16 or fp16 autocast), its FLOPs (torch.utils.flop_counter), and the bytes and shape of its output,
-which is what a part boundary sends. A layer that cannot run under fake tensors (data-dependent control flow) is
-measured by a real CPU forward on batches of one and two, and said. Results are cached by the model's source and the
-shapes. `describe` gives the kit.model.Model of it (the kit's Transformer recognised there), whose splits the
-trainers run; the command shows each (the page's even one, and the ones balanced by FLOPs or by memory), each
+(fp32, and under bf16 or fp16 autocast), its FLOPs (torch.utils.flop_counter, with formulas for the CPU's fused RNN
+and attention kernels it lacks), and the bytes and shape of its output, which is what a part boundary sends; a layer
+working in place gets its input as the model gives it (not a leaf). A layer that cannot run under fake tensors
+(data-dependent control flow) is built alone for real and measured by a CPU forward on batches of one and two, and
+said. The sample is described under fake tensors, never allocated. Results are cached by the sources of the model's
+modules, its shapes and the sample, and checked when read back. The command (and the checker) run all this in a
+bounded child process (kit.measure_child), which calls `describe`; the trainers call it themselves. `describe`
+gives the kit.model.Model of it (the kit's Transformer recognised there), whose splits the trainers run; the
+command shows each (the page's even one, and the ones balanced by FLOPs or by memory), each
 part's peak per GPU (kit.layer_memory: kit.memory's terms; the kit's own Transformer is kit.memory's estimate
 itself), and whether it fits the GPU; `--advise --gpus N` ranks the splits (kit.advise.advise_layers). Its options
 are the trainers' own (kit.arguments), with their defaults, and a few of its own.
-Owns: the measurement (measure, layer_costs, its cache), describe (tied weights found and counted once:
-shared_parameters, count_once), the command. Imports: kit.advise, kit.arguments,
-kit.bounded, kit.findings, kit.layer_memory, kit.memory, kit.model, kit.schedules, kit.site,
+Owns: the measurement (measure, layer_costs, its cache, the FLOP formulas), describe (tied weights found and
+counted once: shared_parameters, count_once), the command. Imports: kit.advise, kit.arguments,
+kit.bounded, kit.findings, kit.layer_memory, kit.measure_child, kit.memory, kit.model, kit.schedules, kit.site,
 kit.trainer_checks (torch: only in this mode, never on the checker's plain path).
 """
 from __future__ import annotations
@@ -44,12 +48,60 @@ from kit.arguments import (ARG, AUTOCAST_DTYPE, CPU_NB_PART, PRECISIONS, SCRIPTS
 from kit.bounded import FileProblem, read_regular
 from kit.findings import Findings, first_line, refusal_text
 from kit.layer_memory import estimate_peaks, one_stage_a_task
+from kit.measure_child import describe_isolated
 from kit.memory import GIB, NotEstimated
-from kit.model import LayerCost, Model, ModelError, default_sample, recognise
+from kit.model import LayerCost, Model, ModelError, costs_from_json, default_sample, recognise
 from kit.schedules import schedule
 from kit.trainer_checks import check_training
 
-CACHE_FORMAT = 4  # 4: LayerCost.out_shape
+CACHE_FORMAT = 5  # 4: LayerCost.out_shape; 5: flops_missed, the layers' modules' sources in the key
+
+
+# ---- FLOPs the counter misses (issue 41) ----------------------------------------------------------------------------
+# torch.utils.flop_counter's registry (torch 2.13.0: mm, addmm, bmm, baddbmm, convolutions, the CUDA SDPA kernels)
+# has no formula for the CPU's fused kernels: an LSTM's mkldnn_rnn_layer (RNN.cpp picks it for nn.LSTM on the CPU)
+# and SDPA's _scaled_dot_product_flash_attention_for_cpu (and the overrideable fused kernel). Formulas for them, as
+# FlopCounterMode's custom_mapping (its arguments' tensors given as shapes): an RNN layer is a matmul of every step's
+# input and hidden state by its gate weights (w_ih: gates*hidden x input, w_hh: gates*hidden x hidden), 2 FLOPs a
+# multiply-add, its backward twice that (the inputs' and the weights' gradients), as torch counts mm's backward;
+# attention is torch's own sdpa_flop_count and sdpa_backward_flop_count.
+def _rnn_flop(input_shape: Sequence[int], w_ih: Sequence[int], w_hh: Sequence[int], *args: object,
+              out_shape: object = None, **kwargs: object) -> int:
+    steps = 1  # every time step of every sequence: the input's sizes but its features
+    for d in input_shape[:-1]:
+        steps *= d
+    return 2 * steps * (w_ih[0] * w_ih[1] + w_hh[0] * w_hh[1])
+
+
+def _rnn_backward_flop(*args: object, **kwargs: object) -> int:
+    return 2 * _rnn_flop(*args[:3])
+
+
+def _sdpa_flop(q: Sequence[int], k: Sequence[int], v: Sequence[int], *args: object, **kwargs: object) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(q, k, v)
+
+
+def _sdpa_backward_flop(grad_out: Sequence[int], q: Sequence[int], k: Sequence[int], v: Sequence[int],
+                        *args: object, **kwargs: object) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+def flop_formulas() -> dict:
+    """The formulas above by op, those of the ops this torch release has (their names vary by release)."""
+    named = {"mkldnn_rnn_layer": _rnn_flop, "mkldnn_rnn_layer_backward": _rnn_backward_flop,
+             "_scaled_dot_product_flash_attention_for_cpu": _sdpa_flop,
+             "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_backward_flop,
+             "_scaled_dot_product_fused_attention_overrideable": _sdpa_flop,
+             "_scaled_dot_product_fused_attention_overrideable_backward": _sdpa_backward_flop}
+    return {getattr(torch.ops.aten, name): fn for name, fn in named.items() if hasattr(torch.ops.aten, name)}
+
+
+# Ops whose name says they compute (a recurrent or attention kernel, a matmul or a convolution) are watched: one
+# that neither torch's registry nor flop_formulas counts is named in the layer's flops_missed, and --split time is
+# refused on the model (kit.model.Model.layer_costs), never a silent 0.
+_COMPUTING = re.compile(r"rnn|lstm|gru|attention|_mm|mm$|matmul|conv")
 
 
 def load_callable(spec: str, option: str) -> Callable:
@@ -126,20 +178,47 @@ def sample_batch(sample: str) -> Callable[[], torch.Tensor]:
     fn = load_callable(sample, "--sample")
 
     def made() -> torch.Tensor:
-        x = fn()
+        try:
+            x = fn()
+        except Exception as exc:  # one line, not the function's traceback
+            raise ModelError(f"--sample {sample}: calling it failed: {type(exc).__name__}: {first_line(exc)[:200]}; "
+                             "fix the function (it returns a batch tensor, batch first)") from None
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             raise ModelError(f"--sample {sample} returned a {type(x).__name__}, not a batch tensor (batch first)")
         return x
     return made
 
 
+def sample_shape(sample: str) -> tuple[list[int], torch.dtype]:
+    """The shape and dtype of --sample's batch, described, never allocated: its function is called under fake
+    tensors (a 1 GiB batch costs nothing; a tensor it makes from data of its own, numpy's, is its own)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = sample_batch(sample)()
+    return list(x.shape), x.dtype
+
+
 def _storages(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
     return {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
 
 
-def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch.Tensor, float, float, float, float]:
+class _Missed(torch.utils._python_dispatch.TorchDispatchMode):
+    """The computing ops (_COMPUTING) of a run that the FLOP counter has no formula for, by name."""
+
+    def __init__(self, counted: dict) -> None:
+        super().__init__()
+        self.counted, self.names = counted, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001: torch's signature
+        if func.overloadpacket not in self.counted and _COMPUTING.search(func.overloadpacket.__name__):
+            self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch.Tensor, float, float, float, float,
+                                                                          set[str]]:
     """One forward and backward of `layer`: (its output, the bytes saved for backward that are not its parameters,
-    its FLOPs, the bytes of its input and of its output among those saved)."""
+    its FLOPs, the bytes of its input and of its output among those saved, the computing ops not counted)."""
     from torch.utils.flop_counter import FlopCounterMode
     params = _storages([*layer.parameters(), *layer.buffers()])
     saved: dict[int, int] = {}
@@ -151,7 +230,8 @@ def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch
             saved[key] = t.untyped_storage().nbytes()
         return t
     dtype = AUTOCAST_DTYPE[precision] and getattr(torch, AUTOCAST_DTYPE[precision])  # as the trainers run it
-    with FlopCounterMode(display=False) as flops:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as flops, \
+            _Missed(flops.flop_registry) as missed:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
                 y = layer(x)
@@ -161,7 +241,7 @@ def _run_layer(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[torch
         if y.requires_grad:
             y.backward(torch.ones_like(y))
     return (y.detach(), float(sum(saved.values())), float(flops.get_total_flops()), float(saved.get(own_input, 0)),
-            float(own_output))
+            float(own_output), missed.names)
 
 
 def _measure_one(layer: nn.Module, xs: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str,
@@ -171,10 +251,10 @@ def _measure_one(layer: nn.Module, xs: dict[str, tuple[torch.Tensor, torch.Tenso
     ReLU's output is already low precision, and the next layer saves it as it is). Returns the cost and the
     outputs by precision (the next layer's inputs)."""
     b = xs["fp32"][0].shape[0]
-    outs, saved, fixed, flops, own, out_saved = {}, {}, {}, 0.0, {}, {}
+    outs, saved, fixed, flops, own, out_saved, missed = {}, {}, {}, 0.0, {}, {}, set()
     for precision in PRECISIONS:
-        runs = [_run_layer(layer, x.detach().requires_grad_(x.is_floating_point()), precision)
-                for x in xs[precision]]
+        runs = [_run_layer(layer, _as_in_the_model(x), precision) for x in xs[precision]]
+        missed |= runs[0][5]
         saved[precision] = max(0.0, (runs[1][1] - runs[0][1]) / b)
         fixed[precision] = max(0.0, runs[0][1] - saved[precision] * b)
         own[precision], out_saved[precision] = runs[0][3] / b, runs[0][4] / b
@@ -187,13 +267,24 @@ def _measure_one(layer: nn.Module, xs: dict[str, tuple[torch.Tensor, torch.Tenso
                      y.numel() * y.element_size() / b, saved, fixed,
                      x.numel() * x.element_size() / b, how, [p.numel() for p in layer.parameters()],
                      sum(t.numel() * t.element_size() for t in layer.buffers()), own, out_saved,
-                     {p: o[0].numel() * o[0].element_size() / b for p, o in outs.items()}, list(y.shape[1:]))
+                     {p: o[0].numel() * o[0].element_size() / b for p, o in outs.items()}, list(y.shape[1:]),
+                     sorted(missed))
     return cost, outs
+
+
+def _as_in_the_model(x: torch.Tensor) -> torch.Tensor:
+    """A layer's input as it is in the model: the output of an op, not a leaf, so that a layer working in place on
+    it (nn.ReLU(inplace=True), x.add_()) runs as it does there (autograd refuses an in-place op on a leaf that
+    requires grad). A float input is a clone of a leaf that requires grad (the clone saves nothing for the backward,
+    counts no FLOP, and its gradient is what reaches the layer before); token ids are a plain tensor."""
+    if not x.is_floating_point():
+        return x.detach()
+    return x.detach().requires_grad_(True).clone()
 
 
 def measure(spec: str, sample: str) -> list[LayerCost]:
     """Every layer of --model on --sample, under fake tensors (a layer that refuses them: a real CPU forward on a
-    batch of one); the first layer's refusal of the sample is one line."""
+    batch of one, that layer alone built for real); the first layer's refusal of the sample is one line."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     layers, _ = build_layers(spec)
     make = sample_batch(sample)
@@ -207,7 +298,7 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
         for i, layer in enumerate(layers):
             name = f"{i}: {type(layer).__name__}"
             try:
-                cost, xs = _measure_one(layer, xs, name, "fake")
+                cost, xs = _measure_steps(layer, xs, name) or _measure_one(layer, xs, name, "fake")
             except ModelError as exc:
                 raise ModelError(f"--model {spec}: layer {name} {exc}") from None
             except Exception as exc:  # data-dependent ops (then a real run measures it), or an input it refuses
@@ -223,12 +314,125 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
     return costs
 
 
+# ---- recurrent layers run step by step (issue 41, item 8) -----------------------------------------------------------
+# On the CPU a GRU or a plain RNN has no fused kernel (an LSTM has mkldnn_rnn_layer): under fake tensors it runs its
+# steps one by one, some 100 ops a step, minutes for 512 steps. Its figures are affine in the number of steps (each step
+# saves, sends and computes the same), so a layer holding one is measured at STEPS steps and its figures carried to
+# the sample's length, where the three runs show them affine to the byte and the FLOP (else: measured whole).
+STEPS = (2, 4, 8)
+
+
+class _Probe(Exception):
+    """Raised by the pre-hook that reads a recurrent module's input: nothing of the layer runs after it."""
+
+
+def _sequence_dim(layer: nn.Module, x: torch.Tensor, rnns: Sequence[nn.Module]) -> int | None:
+    """The dim of the layer's input that is its first recurrent module's sequence: the one dim which, cut to
+    STEPS[0], gives the module STEPS[0] steps; None where there is not one such dim."""
+    def steps(inp: torch.Tensor) -> int | None:
+        seen: list[int] = []
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+                seen.append(args[0].shape[1 if module.batch_first else 0])
+            raise _Probe
+        handles = [m.register_forward_pre_hook(hook) for m in rnns]
+        try:
+            with torch.no_grad():
+                layer(inp)
+        except _Probe:
+            pass
+        except Exception:  # a cut that the layer refuses before its recurrent module: not the sequence
+            return None
+        finally:
+            for h in handles:
+                h.remove()
+        return seen[0] if seen else None
+    whole = steps(x)
+    dims = [d for d in range(1, x.dim()) if whole and x.shape[d] == whole and steps(x.narrow(d, 0, STEPS[0])) == STEPS[0]]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _affine(values: Sequence[float], steps: int) -> float | None:
+    """The value at `steps` of a figure measured at STEPS, where the three are affine (else None)."""
+    a, b, c = values
+    if abs((c - b) - 2 * (b - a)) > 1e-9 * max(1.0, abs(c)):
+        return None
+    return a + (b - a) * (steps - STEPS[0]) / (STEPS[1] - STEPS[0])
+
+
+def _carried(costs: Sequence[LayerCost], steps: int) -> LayerCost | None:
+    """The LayerCost at `steps` of three measured at STEPS (numbers, numbers by precision, the output's shape),
+    or None where a figure is not affine."""
+    runs = [asdict(c) for c in costs]
+    out = dict(runs[0])
+    for key, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = _affine([r[key] for r in runs], steps)
+            if out[key] is None:
+                return None
+            out[key] = type(v)(round(out[key])) if isinstance(v, int) else out[key]
+        elif isinstance(v, dict):
+            out[key] = {p: _affine([r[key][p] for r in runs], steps) for p in v}
+            if None in out[key].values():
+                return None
+    out["out_shape"] = [steps if (a, b) == STEPS[:2] else a for a, b in zip(runs[0]["out_shape"],
+                                                                            runs[1]["out_shape"])]
+    out["how"] = f"fake, {STEPS[0]}-{STEPS[-1]} steps carried to {steps}"
+    return LayerCost(**out)
+
+
+def _measure_steps(layer: nn.Module, xs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                   name: str) -> tuple[LayerCost, dict] | None:
+    """A layer holding a GRU or a plain RNN, measured at STEPS steps of its sequence and carried to the sample's
+    (_carried); None where it holds none, the sequence is short or not one dim of its input, or the figures are not
+    affine: then it is measured whole."""
+    rnns = [m for m in layer.modules() if isinstance(m, (nn.GRU, nn.RNN))]
+    x = xs["fp32"][0]
+    d = _sequence_dim(layer, x, rnns) if rnns else None
+    if d is None or x.shape[d] <= 2 * STEPS[-1]:
+        return None
+    runs = [_measure_one(layer, {p: tuple(v.narrow(d, 0, t) for v in pair) for p, pair in xs.items()}, name, "fake")
+            for t in STEPS]
+    cost = _carried([c for c, _ in runs], x.shape[d])
+    if cost is None:
+        return None
+    outs = {}
+    for p, pair in runs[0][1].items():
+        shape = [x.shape[d] if (a, b) == STEPS[:2] else a for a, b in zip(pair[0].shape, runs[1][1][p][0].shape)]
+        outs[p] = tuple(torch.empty([v.shape[0], *shape[1:]], dtype=pair[0].dtype) for v in xs[p])
+    return cost, outs
+
+
+def one_layer_for_real(spec: str, index: int) -> nn.Module:
+    """Layer `index` of --model, alone built for real on the CPU: the model built on the meta device (no memory),
+    that layer's storage made, its parameters drawn as its modules' reset_parameters draws them (small normal values
+    for those without one), its buffers zero but where reset_parameters (BatchNorm's reset_running_stats) sets
+    them. The rest of the model is never allocated."""
+    layer = build_layers(spec, device="meta")[0][index]
+    layer.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.02)
+        for b in layer.buffers():
+            b.zero_()
+        for m in layer.modules():
+            if callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+    return layer
+
+
 def _measure_real(spec: str, index: int, name: str, why: Exception,
                   xs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[LayerCost, dict]:
-    """The fallback for one layer: built for real on the CPU, run on batches of one and two; said on stderr."""
+    """The fallback for one layer: that layer alone built for real on the CPU (one_layer_for_real), run on batches
+    of one and two; said on stderr."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
-        layer = build_layers(spec, device="cpu")[0][index]
+        try:
+            layer = one_layer_for_real(spec, index)
+        except Exception as exc:
+            raise ModelError(f"--model {spec}: layer {name} cannot be built alone for real: {type(exc).__name__}: "
+                             f"{first_line(exc)[:200]}") from None
         real = {p: tuple(torch.zeros([k, *x[0].shape[1:]], dtype=x[0].dtype) if not x[0].is_floating_point()
                          else torch.randn([k, *x[0].shape[1:]], dtype=x[0].dtype) for k in (1, 2))
                 for p, x in xs.items()}
@@ -236,7 +440,8 @@ def _measure_real(spec: str, index: int, name: str, why: Exception,
             cost, outs = _measure_one(layer, real, name, "cpu")
         except Exception as exc:
             raise ModelError(f"--model {spec}: layer {name} fails on its input: {type(exc).__name__}: "
-                             f"{first_line(exc)[:200]}") from None
+                             f"{first_line(exc)[:200]}; fix that layer, or give --sample the batch the model "
+                             "takes") from None
     print(f"own_model: layer {name} does not run under fake tensors ({first_line(why)[:200]}); measured by a real CPU "
           "forward on batches of one and two", file=sys.stderr)
     # the next layers go on under fake tensors, at the sample's batch
@@ -263,11 +468,11 @@ def layer_times(spec: str, sample: str, sizes: Sequence[int] | None = None, repe
         start += n
         inputs.append(x)
         with torch.no_grad():
-            x = parts[-1](x)
+            x = parts[-1](x.clone())  # a part working in place leaves its recorded input as it was
     runs: list[list[float]] = [[] for _ in parts]
     for _ in range(repeats + 2):
         for part, inp, times in zip(parts, inputs, runs):
-            inp = inp.detach().requires_grad_(inp.is_floating_point())
+            inp = _as_in_the_model(inp)  # an in-place first layer runs as in the model
             sync()
             t0 = time.perf_counter()
             y = part(inp)
@@ -284,21 +489,56 @@ def cache_path(spec: str, sample: str, source: str) -> Path:
     return root / f"{key[:24]}.json"
 
 
-def layer_costs(spec: str, sample: str, use_cache: bool = True) -> list[LayerCost]:
-    """measure(), cached by the model's source, what it builds, the sample and the torch release: a changed file is
-    measured again, and so is a model whose layers changed through a file it imports (the layers' types, parameter
-    and buffer shapes are in the key, built on the meta device: no memory)."""
-    layers, source = build_layers(spec)
+def classes_source(layers: Sequence[nn.Module]) -> str:
+    """The source of every module the layers' classes come from (each layer's, its submodules', and their bases'):
+    a helper file's changed forward is a changed key. torch's own files are left out (its version is in the key);
+    another installed package's (transformers...) count by their path, size and time, not their text (large)."""
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    files = set()
+    for layer in layers:
+        for m in layer.modules():
+            for cls in type(m).__mro__:
+                try:
+                    files.add(str(Path(inspect.getsourcefile(cls)).resolve()))
+                except (TypeError, OSError):  # builtins, classes made at run time
+                    pass
+    texts = []
+    for f in sorted(files):
+        if f.startswith(torch_dir + os.sep):
+            continue
+        try:
+            st = os.stat(f)
+            texts.append(f"{f} {st.st_size} {st.st_mtime_ns}" if re.search(r"[/\\](site|dist)-packages[/\\]", f)
+                         else f + "\n" + Path(f).read_text(errors="replace"))
+        except OSError:
+            texts.append(f + " unreadable")
+    return "\n".join(texts)
+
+
+def _cache_key(spec: str, sample: str, layers: Sequence[nn.Module], source: str) -> Path:
+    """The cache's file for these layers: the model's file, every module its layers' classes come from, what it
+    builds (types, parameter and buffer shapes, built on the meta device), the sample (its function's source and
+    its batch's shape, described) and the torch release."""
+    source += classes_source(layers)
     source += "".join(repr(layer) + repr([(n, tuple(t.shape), str(t.dtype)) for n, t in
                                           [*layer.named_parameters(), *layer.named_buffers()]]) for layer in layers)
     if not re.fullmatch(r"\d+(x\d+)*", sample):
         source += source_text(load_callable(sample, "--sample"), sample)
-        x = sample_batch(sample)()
-        source += repr((tuple(x.shape), str(x.dtype)))
-    path = cache_path(spec, sample, source)
+        source += repr(sample_shape(sample))
+    return cache_path(spec, sample, source)
+
+
+def layer_costs(spec: str, sample: str, use_cache: bool = True,
+                built: tuple[list[nn.Module], str] | None = None) -> list[LayerCost]:
+    """measure(), cached (_cache_key): a changed file is measured again, and so is a model whose layers changed
+    through a file it imports. An entry read back is checked (kit.model.costs_from_json: every field, finite,
+    non-negative, one a layer): on any doubt the model is measured again. `built`: build_layers' answer, when the
+    caller has it."""
+    layers, source = built or build_layers(spec)
+    path = _cache_key(spec, sample, layers, source)
     if use_cache and os.path.lexists(path):
         try:  # a regular file, bounded (kit.bounded.read_regular: a FIFO there would block, /dev/zero fill memory)
-            return [LayerCost(**c) for c in json.loads(read_regular(path, 16 * 2 ** 20, nofollow=True)[0])]
+            return costs_from_json(json.loads(read_regular(path, 16 * 2 ** 20, nofollow=True)[0]), len(layers))
         except (FileProblem, ValueError, TypeError, OSError, RecursionError):
             pass  # damaged: measured again
     costs = measure(spec, sample)
@@ -314,14 +554,16 @@ def layer_costs(spec: str, sample: str, use_cache: bool = True) -> list[LayerCos
 
 
 def describe(spec: str, sample: str, use_cache: bool = True) -> Model:
-    """The model of --model on --sample as the kit plans it (kit.model): its layers measured (layer_costs, cached),
-    and recognised where they are the kit's own (kit.model.recognise: built on the meta device, no memory)."""
-    costs = layer_costs(spec, sample, use_cache)
-    layers, _ = build_layers(spec)
-    x = sample_batch(sample)()
-    ends, kit = recognise(layers, list(x.shape), x.is_floating_point())
-    shared = shared_parameters(layers)
-    return Model(spec, sample, count_once(costs, shared, layers), ends, kit, shared)
+    """The model of --model on --sample as the kit plans it (kit.model), in this process: its layers measured
+    (layer_costs, cached), and recognised where they are the kit's own (kit.model.recognise: built on the meta device,
+    no memory). The trainers call it (they run the model anyway); the checker and the command measure in a bounded
+    child (kit.measure_child), which calls it."""
+    built = build_layers(spec)
+    costs = layer_costs(spec, sample, use_cache, built)
+    shape, dtype = sample_shape(sample)
+    ends, kit = recognise(built[0], shape, dtype.is_floating_point)
+    shared = shared_parameters(built[0])
+    return Model(spec, sample, count_once(costs, shared, built[0]), ends, kit, shared)
 
 
 def shared_parameters(layers: Sequence[nn.Module]) -> list[tuple[int, int, str]]:
@@ -378,7 +620,10 @@ def table(model: Model, nb_part: int, micro: int, chunks: int, times: Sequence[f
     for c in costs:
         saved = " / ".join(f"{c.saved[p] / 1024:.1f}" for p in PRECISIONS)
         lines.append(f"{c.name[:24]:24s} {c.params:12,d} {c.flops / 1e6:13.3f} {c.out_bytes / 1024:15.1f} "
-                     f"{saved + ' / ' + format(c.saved_checkpointed / 1024, '.1f'):>44s}  {c.how}")
+                     f"{saved + ' / ' + format(c.saved_checkpointed / 1024, '.1f'):>44s}  {c.how}"
+                     + (f"; FLOPs not counted ({', '.join(c.flops_missed)})" if c.flops_missed else ""))
+    if model.flops_missed():
+        lines.append(f"{model.flops_missed()}: no split by time on these FLOPs (--time-layers times the layers)")
     if times:
         lines.append("measured ms per layer (fwd+bwd of the sample's batch): " + ", ".join(f"{t * 1e3:.2f}"
                                                                                          for t in times))
@@ -388,8 +633,10 @@ def table(model: Model, nb_part: int, micro: int, chunks: int, times: Sequence[f
         start, parts = 0, []
         for n, m in zip(sizes, peaks):
             part = costs[start:start + n]
-            parts.append(f"layers {start}-{start + n - 1}: {sum(c.flops for c in part) * micro / 1e9:.3f} GFLOP, "
-                         f"{m.total / GIB:.3f} GiB")
+            gflop = sum(c.flops for c in part) * micro / 1e9
+            word = (" (FLOPs not counted)" if any(c.flops_missed for c in part) else
+                    " (no matmul or convolution: elementwise FLOPs are not counted)" if gflop == 0 else "")
+            parts.append(f"layers {start}-{start + n - 1}: {gflop:.3f} GFLOP{word}, {m.total / GIB:.3f} GiB")
             start += n
         lines.append(f"split by {kind:6s} {sizes}: " + " | ".join(parts))
         lines += memory_lines(peaks, gib, gpu)
@@ -474,9 +721,11 @@ def checker_advise(args: argparse.Namespace, t: Training) -> int:
     job, gpn, gib, source, batches = advise_request(args)
     sample = t.sample or f"{max(batches)}x{model_args(t)['seq_len']}"
     try:
-        model = describe(t.model_spec, sample)
+        model = describe_isolated(t.model_spec, sample)
     except ModelError as exc:
         raise UsageError(str(exc)) from None
+    if model.flops_missed():  # the ranking's speed proxy is the FLOPs
+        print(f"note: {model.flops_missed()}: the ranking's FLOPs proxy leaves them out")
     for batch in batches:
         rows = advise_layers(model, job.nodes * gpn, gib, requested_arch(is_v100(job))[0], batch)
         print(advise_layers_text(rows, job.nodes * gpn, gib, source, batch, args.top))
@@ -487,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments().parse_args(argv)
     try:
         t, m, parts = _request(args)
-        model = describe(t.model_spec, t.sample, use_cache=not args.no_cache)
+        model = describe_isolated(t.model_spec, t.sample, use_cache=not args.no_cache)  # the model's code: a child
         model.sizes(parts)  # ModelError where the model has fewer layers than parts
     except (ModelError, ArgumentError, NotEstimated) as exc:
         print(f"own_model: {exc}", file=sys.stderr)
@@ -495,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
     gib, gpu, arch = gpu_of(args.arch, args.gpu_mem)
     batch, chunks = m["batch_size"], m["chunks"]
     if args.advise:
+        if model.flops_missed():  # the ranking's speed proxy is the FLOPs
+            print(f"note: {model.flops_missed()}: the ranking's FLOPs proxy leaves them out")
         rows = advise_layers(model, args.gpus, gib, arch, args.global_batch or batch)
         print(advise_layers_text(rows, args.gpus, gib, gpu, args.global_batch or batch, args.top))
         return 0 if any(r["fits"] for r in rows) else 1

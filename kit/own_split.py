@@ -2,8 +2,9 @@
 the layers measured by kit.own_model, cached by source and shapes, the kit's Transformer recognised) and its split
 (Model.sizes, --split even|time|memory), said in one line that the checker prints and the trainer logs, so that what
 the checker approves is what runs. torch is imported here only in model mode (kit.own_model, lazily): the checker's
-plain path stays free of it. Owns: ModelPlan, plan_model, the checker's --model note, its memory estimate and fixes.
-Imports: kit.arguments, kit.layer_memory, kit.memory, kit.model, kit.own_model, kit.plan.
+plain path stays free of it. Owns: ModelPlan, described (where the model is measured: a bounded child for the checker, kit.measure_child),
+plan_model, the checker's --model note, its memory estimate and fixes.
+Imports: kit.arguments, kit.layer_memory, kit.measure_child, kit.memory, kit.model, kit.own_model, kit.plan.
 """
 from __future__ import annotations
 
@@ -49,17 +50,27 @@ class ModelPlan:
 
 
 @functools.lru_cache(maxsize=8)  # the checker asks for the split, then for the memory of the same line
-def plan_model(spec: str, sample: str, nb_part: int, split: str, micro: int, chunks: int,
-               precision: str = "fp32", checkpointing: bool = False, layout: str = "replica") -> ModelPlan:
-    """Describe the model (measured, cached) and split it over nb_part (Model.sizes): kit.model.ModelError, one line
-    naming the value and its fix, where the model does not load, is not a sequence, does not take the sample, has
-    fewer layers than parts, or is split where the `layout`'s trainer cannot run it (Model.refusal: weights tied
-    across parts, a stage without parameters)."""
+def described(spec: str, sample: str, isolated: bool = True) -> Model:
+    """The model measured (cached): in a bounded child (kit.measure_child: the checker, which must not run a model's
+    code in its own process) or, `isolated=False`, here (the trainers, which run it anyway)."""
+    if isolated:
+        from kit.measure_child import describe_isolated
+        return describe_isolated(spec, sample)
     from kit import own_model
     # a layer that refuses fake tensors is measured otherwise and said in one line by kit.own_model: torch's own
     # traceback of it (logged at ERROR by FakeTensorMode) would bury that line
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
-    model = own_model.describe(spec, sample)
+    return own_model.describe(spec, sample)
+
+
+def plan_model(spec: str, sample: str, nb_part: int, split: str, micro: int, chunks: int,
+               precision: str = "fp32", checkpointing: bool = False, layout: str = "replica",
+               isolated: bool = True) -> ModelPlan:
+    """Describe the model (described: measured once, cached) and split it over nb_part (Model.sizes):
+    kit.model.ModelError, one line naming the value and its fix, where the model does not load, is not a sequence,
+    does not take the sample, cannot be measured, has fewer layers than parts, or is split where the `layout`'s
+    trainer cannot run it (Model.refusal: weights tied across parts, a stage without parameters)."""
+    model = described(spec, sample, isolated)
     sizes = model.sizes(nb_part, split, micro, chunks, precision, checkpointing)
     if model.refusal(sizes, layout) is not None:
         others = {k: v for k, v in model.splits(nb_part, micro, chunks, precision, checkpointing).items() if k != split}
@@ -67,12 +78,13 @@ def plan_model(spec: str, sample: str, nb_part: int, split: str, micro: int, chu
     return ModelPlan(model, split, sizes)
 
 
-def line_plan(t: Training, nb_part: int, cpu: bool) -> ModelPlan:
-    """The plan of a trainer line with --model (nb_part: one replica's parts, or one pipeline's stages)."""
+def line_plan(t: Training, nb_part: int, cpu: bool, isolated: bool = True) -> ModelPlan:
+    """The plan of a trainer line with --model (nb_part: one replica's parts, or one pipeline's stages); measured in
+    a bounded child unless `isolated` is False (the trainers)."""
     model = model_args(t, cpu)
     sample = t.sample or default_sample(model["batch_size"], model["seq_len"])
     return plan_model(t.model_spec, sample, nb_part, t.split, max(1, model["batch_size"] // model["chunks"]),
-                      model["chunks"], t.precision, t.activation_checkpointing, t.layout)
+                      model["chunks"], t.precision, t.activation_checkpointing, t.layout, isolated)
 
 
 def checker_note(t: Training, nb_part: int, cpu: bool) -> tuple[ModelPlan, str]:
@@ -82,11 +94,12 @@ def checker_note(t: Training, nb_part: int, cpu: bool) -> tuple[ModelPlan, str]:
     return plan, plan.text()
 
 
-def own_memory(t: Training, nb_part: int, replicas: int, arch: str, cpu: bool = False) -> list[PartMemory]:
+def own_memory(t: Training, nb_part: int, replicas: int, arch: str, cpu: bool = False,
+               isolated: bool = True) -> list[PartMemory]:
     """The per-GPU peak of each part (stage) of the line's --model split, with kit.memory's terms
     (kit.layer_memory.estimate_peaks; the kit's own Transformer is kit.memory's estimate itself)."""
     one_stage_a_task(t)
-    plan = line_plan(t, nb_part, cpu)
+    plan = line_plan(t, nb_part, cpu, isolated)
     model = model_args(t, cpu)
     return estimate_peaks(plan.model.costs, plan.sizes, max(1, model["batch_size"] // model["chunks"]), model["chunks"],
                           t.precision, replicas, t.zero, t.activation_checkpointing, t.layout, arch, t.schedule,

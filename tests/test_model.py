@@ -34,9 +34,9 @@ def own_cache(tmp_path_factory):
     """One measurement of each model for the whole file (kit.own_model's cache, in a temporary folder)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-        kit.own_split.plan_model.cache_clear()
+        kit.own_split.described.cache_clear()
         yield
-        kit.own_split.plan_model.cache_clear()
+        kit.own_split.described.cache_clear()
 
 
 def test_the_kits_transformer_is_recognised_once_by_its_classes():

@@ -57,7 +57,7 @@ def resolve_model(cfg: argparse.Namespace, nb_part: int, layout: str = "replica"
     try:  # a first measurement of a large model takes minutes: a stop signal then ends the run at once (issue 42)
         with stoppable(f"measuring --model {cfg.model_spec} (its first run; later runs read the cache)"):
             plan = plan_model(cfg.model_spec, cfg.sample, nb_part, cfg.split, max(1, cfg.batch_size // cfg.chunks),
-                              cfg.chunks, cfg.precision, cfg.activation_checkpointing, layout)
+                              cfg.chunks, cfg.precision, cfg.activation_checkpointing, layout, isolated=False)
         x = own_model.sample_batch(cfg.sample)()
     except own_model.ModelError as exc:
         raise kit.arguments.ArgumentError(str(exc)) from None
@@ -110,7 +110,7 @@ def own_memory_estimate(cfg: argparse.Namespace, plan: kit.plan.TaskPlan, nb_par
     arch, gpu_gib = device_arch(plan)
     t = training_of(cfg, **layout)
     try:
-        parts = own_memory(t, nb_part, replicas, arch, cpu=plan.cpu)
+        parts = own_memory(t, nb_part, replicas, arch, cpu=plan.cpu, isolated=False)
     except kit.memory.NotEstimated as exc:
         return f"memory estimate: none, {exc}", None
     return (kit.memory.format_memory(parts, gpu_gib) + f" ({arch} kernels)",

@@ -44,7 +44,8 @@ def throughput(cfg: argparse.Namespace, trainer: Trainer, samples_per_s: float |
     peak = kit.speed.peak_tflops(gpu_name, cfg.precision, cfg.tf32) if gpu_name else None
     per_gpu = tflops / gpus if tflops is not None and gpu_name else None
     return {"flops_per_sample": fps, "tflops": tflops, "tflops_per_gpu": per_gpu, "peak_tflops": peak,
-            "peak_share": per_gpu / peak if per_gpu is not None and peak else None}
+            "peak_share": per_gpu / peak if per_gpu is not None and peak else None,
+            "flops_missed": own.plan.model.flops_missed() if own else ""}
 
 
 def speed_text(speed: dict, gpu_name: str | None, cfg: argparse.Namespace) -> str:
@@ -57,6 +58,8 @@ def speed_text(speed: dict, gpu_name: str | None, cfg: argparse.Namespace) -> st
         kind = "tf32" if cfg.precision == "fp32" and cfg.tf32 else cfg.precision
         text += (f", {100 * speed['peak_share']:.0f} % of the {gpu_name}'s {kind} peak of {speed['peak_tflops']:g})"
                  if speed["peak_share"] is not None else f"; no {kind} peak known for {gpu_name})")
+    if speed.get("flops_missed"):  # kit.own_model could not count some of the model's ops: a lower bound
+        text += f" (at least: {speed['flops_missed']})"
     return text
 
 
