@@ -92,8 +92,13 @@ def test_a_bad_bound_is_refused_with_the_fix(monkeypatch):
 
 
 def test_an_answer_that_does_not_validate_is_refused():
-    good = {"costs": [json.loads(json.dumps(own.asdict(c))) for c in own.measure(*MLP)], "ends": False, "kit": None}
+    good = {"costs": [json.loads(json.dumps(own.asdict(c))) for c in own.measure(*MLP)], "ends": False, "kit": None,
+            "shared": [[0, 9, "weight"]]}
     assert kit.measure_child._model_of("m", "s", good).nlayers == 10
+    assert kit.measure_child._model_of("m", "s", good).shared == [(0, 9, "weight")]
+    for shared in ([[0, 10, "weight"]], [[3, 1, "w"]], [[0, True, "w"]], [[0, 1]], "0,1"):  # past the layers, order
+        with pytest.raises(ValueError):
+            kit.measure_child._model_of("m", "s", {**good, "shared": shared})
     for damage in ({"flops": -1.0}, {"saved": {"fp32": float("nan"), "bf16": 0, "fp16": 0}}, {"params": "12"},
                    {"out_shape": [2.5]}, {"extra": 1}):
         bad = json.loads(json.dumps(good))
