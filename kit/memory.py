@@ -757,6 +757,24 @@ def replayed(t: "Training", pp: int, virtual: int, chunks: int, rank: int) -> li
     return schedule(t.schedule).actions(pp, virtual, chunks, rank)
 
 
+def _stash(z: _Dims, layers: int) -> int:
+    """What the input backward (I) of one micro-batch leaves for its W on a stage: the gradient of each op's output
+    that leads to a weight (_backward.py stage_backward_input: a pre-hook keeps each intermediate's gradient in its
+    param_group until stage_backward_weight), per Layer: in_proj (3 d), out_proj, linear2 (d each) and linear1 (d_hid)
+    in the compute dtype, the two LayerNorms' (d each) in fp32. The Decoder's few are left out."""
+    return layers * z.n * ((5 * z.d + z.dh) * z.a + 2 * z.d * 4)
+
+
+def _recomputed(z: _Dims, t: "Training", layers: int, last: bool) -> int:
+    """Under --activation-checkpointing, what an I's recomputation leaves for its W: the Layers' tape as without
+    checkpointing (autograd.grad with retain_graph=True keeps what the recomputed forward saved: _backward.py
+    stage_backward_input), beyond the checkpoints themselves."""
+    if not t.activation_checkpointing:
+        return 0
+    full, ckpt = (_stack(z, c, layers, False, last, "add_")["mb"] for c in (False, True))
+    return sum(full.values()) - sum(ckpt.values())
+
+
 _MOMENT = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "input backward (I)",
            BACKWARD_WEIGHT: "weight backward (W)"}
 
@@ -775,9 +793,11 @@ def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtua
         kept = _add((1, stack["mb"]), (1, {"activations": E if s < stages - 1 else 0}))  # the output kept
         if s > 0 and (t.activation_checkpointing or (z.nb == 1 and z.a == 4)):
             kept["activations"] -= E  # the first Layer keeps its input: the receive buffer itself
-        st.append(dict(stack, mb=kept, input_grad=E if s > 0 else 0, output=E if s < stages - 1 else 0))
+        st.append(dict(stack, mb=kept, input_grad=E if s > 0 else 0, output=E if s < stages - 1 else 0,
+                       stash=_stash(z, sizes[s]) if s > 0 else 0))
     size = [{key: sum(s[key].values()) for key in ("mb", "fw", "bw0", "bw1")} for s in st]
     alive, done, grads, held, held_bytes, best = [0] * virtual, [False] * virtual, 0, 0, 0, (-1, None)
+    stashed = 0  # the split backward's gradients waiting for their W (_stash)
     actions = replayed(t, pp, virtual, m, rank)
     for i, (kind, _, stage) in enumerate(actions):
         k, back = ids.index(stage), kind != FORWARD
@@ -789,11 +809,16 @@ def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtua
         mine = st[k]["grads"] if key == "bw1" and ends else 0  # bw1 holds this stage's gradients itself
         if kind == BACKWARD_INPUT and ids[k] == 0:
             continue
-        now = held_bytes - (size[k]["mb"] if back else 0) + size[k][key] + grads - mine + held
+        # an I keeps its own stash as it goes back: at its moment, that of every Layer but the one running
+        stashed -= st[k]["stash"] if kind == BACKWARD_WEIGHT else 0
+        own = (_stash(z, max(0, sizes[ids[k]] - 1)) + _recomputed(z, t, sizes[ids[k]], ids[k] == stages - 1)
+               if kind == BACKWARD_INPUT and ids[k] > 0 else 0)
+        now = held_bytes - (size[k]["mb"] if back else 0) + size[k][key] + grads - mine + held + stashed + own
         if now > best[0]:
             counts = [alive[j] - (back and j == k) for j in range(virtual)]
             best = (now, (f"{_MOMENT[kind]} of stage {ids[k]}, step {i + 1}", st[k][key],
-                          (counts, grads - mine, held)))
+                          (counts, grads - mine, held + stashed + own)))
+        stashed += st[k]["stash"] if kind == BACKWARD_INPUT else 0
         if ends:
             alive[k] -= 1
             held_bytes -= size[k]["mb"]
