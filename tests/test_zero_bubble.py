@@ -172,3 +172,21 @@ def test_split_backward_memory_within_targets_of_measured_peak(name):
     assert len(rows) == 2 and all(r["buckets_estimated"] == 0 for r in rows)
     for r in rows:
         assert 1 - memory_grid.LOW <= r["ratio"] <= 1 + memory_grid.HIGH, (r["part"], r["ratio"], r["kinds"])
+
+
+@pytest.mark.multiproc
+def test_the_schedules_benchmark_times_what_torch_runs():
+    """benchmarks/pipeline_schedules.py on one zero-bubble schedule and GPipe, one step each: every action of the
+    kit's order was timed where torch ran it (so the order the prediction simulates is the one that ran), and the
+    idle fractions are fractions."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import pipeline_schedules
+    for name in ("gpipe", runs("zbvzerobubble")):
+        r = pipeline_schedules.run(name, 4, 1)
+        row = kit.schedules.schedule(name)
+        expected: dict[str, int] = {}
+        for rank in range(2):
+            for a in row.actions(2, 2, 4, rank):
+                expected[f"{a.kind} {a.stage}"] = expected.get(f"{a.kind} {a.stage}", 0) + 1
+        assert r["timed"] == expected, (name, r["timed"])
+        assert all(0 <= x < 1 for x in r["measured"] + r["predicted"]) and r["samples_per_s"] > 0, r
