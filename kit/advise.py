@@ -20,7 +20,7 @@ from kit.schedules import schedule as schedule_row
 from kit.site import JEAN_ZAY, gpu_memory, is_v100, node_type
 from kit.slurm import Job
 from kit.speed import (PROFILE_MODEL, ProfileError, SPEED_TERMS, predict_speed, profile_gpu_mismatch, profile_mismatch,
-    read_profile)
+    read_profile, schedule_bubble)
 from kit.trainer_checks import bubble, divisors
 
 
@@ -94,7 +94,8 @@ def _advise_rows(layout: str, m: dict, nb_part: int, replicas: int, tpn: int, pr
                     rows.append(dict(ntasks_per_node=tpn, nb_part=nb_part, replicas=replicas,
                                      batch_size=m["batch_size"], chunks=m["chunks"], precision=precision,
                                      activation_checkpointing=ckpt, zero=zero, peak_gib=round(peak, 2),
-                                     bubble=round(bubble(nb_part, m["chunks"]), 3), layout=layout,
+                                     bubble=round(schedule_bubble(schedule, nb_part, m["chunks"]) if layout
+                                                  == "stage" else bubble(nb_part, m["chunks"]), 3), layout=layout,
                                      schedule=schedule if layout == "stage" else "gpipe", peak_at=worst.peak_at))
     return rows
 

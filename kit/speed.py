@@ -466,6 +466,16 @@ def op_time(part: dict, kind: str, stage: int) -> float:
     return part["b"] * (share if kind == BACKWARD_INPUT else 1 - share)
 
 
+def schedule_bubble(name: str, pp: int, chunks: int, virtual: int = 2) -> float:
+    """The idle fraction of a schedule's busiest-idle task with equal stages (a backward twice a forward, its halves
+    equal): GPipe's and 1F1B's (pp - 1) / (chunks + pp - 1), less for the interleaved and zero-bubble orders."""
+    stages = pp * schedule(name).stages_per_rank(virtual)
+    queues = _queues("stage", name, stages, pp, chunks, False)
+    cost = lambda kind, s: op_time({"f": 1.0, "b": 2.0}, kind, s)  # noqa: E731
+    makespan, _ = _simulate(queues, cost, 0.0, stages)
+    return max(1 - sum(cost(k, s) for k, s, _ in ops) / makespan for ops in queues)
+
+
 def _done_key(key: tuple) -> tuple:
     """A backward's input gradient is there after its B or its I, whichever the schedule ran (DualPipeV runs both
     kinds): one key for either."""

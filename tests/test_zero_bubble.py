@@ -219,3 +219,15 @@ def test_weights_after_one_step_equal_gpipes(tmp_path, name):
     # summation order (seen: 3e-6 on 1 weight of 8192) into more than the gradients' own 1e-6
     for a, b in zip(mine, gpipe):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_schedules_own_bubble():
+    """--advise's bubble of a stage row: its schedule's order simulated with equal stages (kit.speed): GPipe's and
+    1F1B's closed form (pp - 1) / (chunks + pp - 1), less for the interleaved and zero-bubble orders."""
+    import kit.speed
+    for pp, chunks in ((2, 4), (2, 8), (4, 8), (4, 16)):
+        closed = (pp - 1) / (chunks + pp - 1)
+        assert kit.speed.schedule_bubble("gpipe", pp, chunks) == pytest.approx(closed)
+        assert kit.speed.schedule_bubble("1f1b", pp, chunks) == pytest.approx(closed)
+        ours = [kit.speed.schedule_bubble(n, pp, chunks) for n in ZB if n != "dualpipev" or chunks >= 2 * pp]
+        assert all(b < kit.speed.schedule_bubble("interleaved1f1b", pp, chunks) < closed for b in ours), ours
