@@ -208,12 +208,17 @@ def weights_after_one_step(tmp_path, schedule: str) -> list[torch.Tensor]:
     return [w for s in sorted(stages) for w in stages[s]]
 
 
+@pytest.fixture(scope="module")
+def gpipe_weights(tmp_path_factory) -> list[torch.Tensor]:
+    return weights_after_one_step(tmp_path_factory.mktemp("gpipe"), runs("gpipe"))
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ZB)
-def test_weights_after_one_step_equal_gpipes(tmp_path, name):
+def test_weights_after_one_step_equal_gpipes(tmp_path, name, gpipe_weights):
     """The same seed and batch: after one step (AdamW's update included) every weight equals GPipe's, the model cut
     in 4 stages (2 a task) against GPipe's 2."""
-    mine, gpipe = weights_after_one_step(tmp_path, runs(name)), weights_after_one_step(tmp_path, runs("gpipe"))
+    mine, gpipe = weights_after_one_step(tmp_path, runs(name)), gpipe_weights
     assert len(mine) == len(gpipe) > 0
     # AdamW's first update is about lr x g / (|g| + eps): a gradient near eps turns the rounding of another
     # summation order (seen: 3e-6 on 1 weight of 8192) into more than the gradients' own 1e-6
