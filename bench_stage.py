@@ -2,7 +2,8 @@
 """
 The stage layout: the same model and training loop as bench_ddp_transformer.py, a different process layout.
 One task per GPU; `--pp` consecutive tasks form one pipeline (torch.distributed.pipelining: PipelineStage and
-a schedule, --schedule gpipe|1f1b|interleaved1f1b|loopedbfs); DDP over each stage's group of pipelines: a 2-D
+a schedule, --schedule gpipe|1f1b|interleaved1f1b|loopedbfs|interleavedzerobubble|zbvzerobubble|dualpipev); DDP
+over each stage's group of pipelines (the zero-bubble schedules: one all-reduce a stage after the step): a 2-D
 mesh (dp, pp) as in torchtitan. Needs torch >= 2.4. Checkpoints have bench_ddp_transformer.py's keys, so they
 move between the two layouts.
 
@@ -158,8 +159,13 @@ class Stages(Trainer):
         # bucket rebuild then counts every parameter once per micro-batch and fails an internal assert
         # (torch 2.13); static_graph=True runs but leaves the replicas apart (seen with the fingerprint check).
         # find_unused_parameters=True skips that rebuild: one more graph traversal per backward, replicas equal.
-        self.ddp = {s: DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=True)
-                    for s, m in self.modules.items()}
+        # The zero-bubble schedules split each backward (I, then W later: kit.schedules.split_backward), which DDP's
+        # hooks don't follow: their stages hold the bare modules, and reduce_split_gradients averages the gradients
+        # over the replicas after the step.
+        self.split = kit.schedules.split_backward(self.cfg.schedule)
+        wrap = ((lambda m: m) if self.split else
+                (lambda m: DistributedDataParallel(m, process_group=dp_group, find_unused_parameters=True)))
+        self.ddp = {s: wrap(m) for s, m in self.modules.items()}
         stages = [pipelining.PipelineStage(self.ddp[s], s, self.nb_part, self.device,
                                            *self.example_io(pipelining, s), group=pp_group) for s in self.ids]
         cls = getattr(pipelining, self.row.torch_class, None)
@@ -193,12 +199,16 @@ class Stages(Trainer):
         return (first if s == 0 else act), (torch.empty(mb, 2, device="meta") if s == self.nb_part - 1 else act)
 
     def forward_only_schedule(self, pipelining, pp_group):
-        """Evaluation where the schedules have no eval() (2.4.1 to 2.8.0; 2.13.0 has it): stages over the bare
-        modules (no DDP hooks under no_grad) and a schedule without loss_fn, which runs no backward."""
-        if hasattr(pipelining.ScheduleGPipe, "eval"):
+        """Evaluation where the schedules have no eval() (2.4.1 to 2.8.0; 2.13.0 has it), or where it fails (the V
+        schedules: 2.13's eval() still runs their I and B actions, and a V's local hand-over of a gradient asserts,
+        stage.py get_local_bwd_output): stages over the bare modules (no DDP hooks under no_grad) and a schedule
+        without loss_fn, which runs no backward; a V's keeps only its forwards."""
+        if hasattr(pipelining.ScheduleGPipe, "eval") and self.row.placement != "v":
             return None
         stages = [pipelining.PipelineStage(self.modules[s], s, self.nb_part, self.device,
                                            *self.example_io(pipelining, s), group=pp_group) for s in self.ids]
+        if self.row.placement == "v":
+            return v_forward_only(getattr(pipelining, self.row.torch_class)(stages, n_microbatches=self.cfg.chunks))
         one = len(stages) == 1  # fill and drain: GPipe for a stage a task, LoopedBFS for several
         fill_drain = getattr(pipelining, kit.schedules.SCHEDULES["gpipe" if one else "loopedbfs"].torch_class)
         return fill_drain(stages[0] if one else stages, n_microbatches=self.cfg.chunks)
@@ -221,11 +231,28 @@ class Stages(Trainer):
                 for p in m.parameters():
                     if p.grad is not None:
                         p.grad.div_(self.cfg.chunks)
+        if self.split and self.dp_size > 1:
+            self.reduce_split_gradients()
         if not self.last_holder:  # inputs go to the first stage only; loss and accuracy live on the last
             return torch.zeros(3, device=self.device)
         y = y.to(self.device, non_blocking=True)
         loss = torch.stack([l.detach() for l in self._losses]).mean()
         return self.stats_fn(loss, out.detach(), y)
+
+    @torch.no_grad()
+    def reduce_split_gradients(self) -> None:
+        """DDP's work for the zero-bubble schedules: each stage's gradients averaged over its replicas (the dp
+        group), one flat all-reduce per stage after the step's last W (DDP's buckets would fire at the first B)."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        group = self.mesh["dp"].get_group()
+        for m in self.modules.values():
+            grads = [p.grad for p in m.parameters() if p.grad is not None]
+            if not grads:
+                continue
+            flat = _flatten_dense_tensors(grads).div_(self.dp_size)
+            dist.all_reduce(flat, group=group)
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
 
     @torch.no_grad()
     def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -316,6 +343,19 @@ def contiguous_io(module: torch.nn.Module) -> torch.nn.Module:
     module.register_forward_pre_hook(inputs)
     module.register_forward_hook(output)
     return module
+
+
+def v_forward_only(schedule):
+    """A V schedule (torch 2.13's _PipelineScheduleRuntime) lowered again with its forwards alone: each task's
+    forwards in the schedule's own order, their sends and receives added by the lowering of
+    _prepare_schedule_with_comms (_add_send_recv, private; its validation wants every backward, so not it)."""
+    from torch.distributed.pipelining.schedules import _add_send_recv
+    order = {r: [a for op in ops if op is not None for a in (op.sub_actions or (op,))  # OVERLAP_F_B: its F, B
+                 if a.computation_type.value == "F"] for r, ops in schedule.pipeline_order.items()}
+    schedule.pipeline_order = order
+    schedule.pipeline_order_with_comms = _add_send_recv(order, lambda s: schedule.stage_index_to_group_rank[s],
+                                                        schedule._num_stages)
+    return schedule
 
 
 def split_optimizer_state(state: dict, counts: list[int]) -> list[dict]:

@@ -79,6 +79,13 @@ STAGE = [
     dict(pp=2, replicas=2, schedule="1f1b", chunks=4, precision="bf16", ckpt=False, zero=True, dropout=0.0),
     dict(pp=4, replicas=1, schedule="1f1b", chunks=8, precision="fp32", ckpt=True, zero=False, dropout=0.0),
     dict(pp=2, replicas=1, schedule="loopedbfs", chunks=4, precision="fp32", ckpt=True, zero=False, dropout=0.0),
+    # the zero-bubble schedules (issue 44): the split backward's I and W, the V
+    dict(pp=2, replicas=1, schedule="zbvzerobubble", chunks=4, precision="fp32", ckpt=False, zero=False, dropout=0.0),
+    dict(pp=2, replicas=1, schedule="interleavedzerobubble", chunks=4, precision="fp32", ckpt=False, zero=False,
+         dropout=0.1),
+    dict(pp=2, replicas=1, schedule="dualpipev", chunks=4, precision="bf16", ckpt=False, zero=False, dropout=0.0),
+    dict(pp=2, replicas=1, schedule="zbvzerobubble", chunks=8, precision="bf16", ckpt=True, zero=False, dropout=0.0),
+    dict(pp=2, replicas=2, schedule="zbvzerobubble", chunks=4, precision="fp32", ckpt=False, zero=True, dropout=0.0),
 ]
 STAGE_MODEL = dict(d_model=64, n_head=4, d_hid=256, seq_len=128, batch_size=8, nlayers=8, vocab_size=500)
 # The small grid `make test` keeps (tests/test_memory.py, about a minute on 2 cores): nb_part 2 and 4 at 4 chunks,
@@ -104,12 +111,38 @@ def malloc_in_use() -> int:
     return m.uordblks + m.hblkhd
 
 
+class GraphOnly:
+    """MemTracker's ModTracker without its module hooks, for the zero-bubble schedules: their split backward runs
+    autograd.grad (_backward.py stage_backward_input), under which ModTracker's backward hooks raise ("A leaf node
+    was passed to _will_engine_execute_node but we are currently running autograd.grad()", torch 2.13). The counts
+    are the same; the backward is told by autograd's running graph task, not by a module's hooks."""
+    parents: set = set()
+
+    @property
+    def is_bw(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def register_user_hooks(self, *hooks) -> None:  # noqa: ANN002
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "GraphOnly":
+        return self
+
+    def __exit__(self, *args) -> None:  # noqa: ANN002
+        pass
+
+
 class PartTracker(MemTracker):
     """MemTracker, each tensor charged to one part (parts 0..n-1; part n: DDP's buckets), the peak kept per part
     with what was alive then by kind, where in the step it fell, and malloc's count after every op."""
 
-    def __init__(self, nparts: int) -> None:
+    def __init__(self, nparts: int, modules: bool = True) -> None:
         super().__init__()
+        if not modules:  # see GraphOnly
+            self._mod_tracker = GraphOnly()
         self.nparts, self.local, self.forced = nparts, threading.local(), None
         self.by_kind = [dict() for _ in range(nparts + 1)]
         self.now, self.peak = [0] * (nparts + 1), [0] * (nparts + 1)
@@ -451,8 +484,9 @@ def stage_worker(conf: dict, out: Path) -> None:
     def hook(state, bucket):  # noqa: ANN001
         buckets[bucket.buffer().untyped_storage().data_ptr()] = bucket.buffer()
         return allreduce_hook(trainer.mesh["dp"].get_group(), bucket)
-    for ddp in trainer.ddp.values():
-        ddp.register_comm_hook(None, hook)
+    for ddp in trainer.ddp.values():  # the zero-bubble schedules' stages are bare modules: no DDP, no buckets
+        if hasattr(ddp, "register_comm_hook"):
+            ddp.register_comm_hook(None, hook)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
     y = torch.randint(0, 2, (cfg.batch_size,), generator=g)
@@ -461,7 +495,7 @@ def stage_worker(conf: dict, out: Path) -> None:
         trainer.train_step(x, y)
     for opt in trainer.optimizers.values():  # the step's own first act, before counting starts
         opt.zero_grad(set_to_none=True)
-    tr = PartTracker(1)
+    tr = PartTracker(1, modules=not trainer.split)
     for s, module in trainer.modules.items():
         state = getattr(trainer.optimizers[s], "optim", trainer.optimizers[s]).state  # ZeRO: this rank's share
         tr.register(0, list(module.parameters()), _MemRefType.PARAM)
@@ -565,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica", action="store_true", help="the replica layout only")
     p.add_argument("--stage", action="store_true", help="the stage layout only")
     p.add_argument("--json", help="also write every row here")
+    p.add_argument("--schedule", help="the stage grid's rows of these schedules only (comma-separated)")
     p.add_argument("--stage-worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -593,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     if not args.replica:
         for conf in QUICK_STAGE if args.quick else STAGE:
-            stage += compare_stage(conf)
+            if not args.schedule or conf["schedule"] in args.schedule.split(","):
+                stage += compare_stage(conf)
         print("\n" + stage_table(stage) + "\n\n" + summary(stage, "stage layout against MemTracker"))
     configurations = len({(r["d_model"], r["seq_len"], r["precision"], r["ckpt"], r["nb_part"]) for r in replica})
     print(f"\n{configurations} replica and {len({json.dumps({k: r[k] for k in STAGE[0]}) for r in stage})} stage "

@@ -1,7 +1,7 @@
 """--advise: every split that fits, ranked by the samples/s a profile predicts (or by memory without one); and a
 user's model's splits (kit.own_model --advise), ranked by a FLOPs proxy.
 Owns: the advice table. Imports: kit.arguments, kit.findings, kit.layer_memory, kit.memory, kit.model, kit.releases,
-kit.site, kit.slurm, kit.speed, kit.trainer_checks.
+kit.schedules, kit.site, kit.slurm, kit.speed, kit.trainer_checks.
 """
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ import json
 import shlex
 
 from kit.arguments import SCRIPTS, SPLITS, Training, model_args, show_value
-from kit.findings import UsageError
+from kit.findings import Findings, UsageError
 from kit.layer_memory import estimate_peaks
 from kit.memory import GIB, requested_arch, worst_part
 from kit.model import Model
 from kit.releases import torch_refusals
+from kit.schedules import SCHEDULES
+from kit.schedules import schedule as schedule_row
 from kit.site import JEAN_ZAY, gpu_memory, is_v100, node_type
 from kit.slurm import Job
 from kit.speed import (PROFILE_MODEL, ProfileError, SPEED_TERMS, predict_speed, profile_gpu_mismatch, profile_mismatch,
-    read_profile)
+    read_profile, schedule_bubble)
 from kit.trainer_checks import bubble, divisors
 
 
@@ -35,11 +37,25 @@ def stage_schedule(version: str | None, cpu: bool = False) -> tuple[str | None, 
                      + torch_refusals(version, Training(layout="stage", schedule="1f1b"), cpu)[0])
 
 
+def stage_schedules(version: str, cpu: bool = False) -> list[str]:
+    """Every schedule of kit.schedules that this release runs on this device (TORCH_FEATURES, the rows' first
+    releases): what --advise ranks beside the splits when a profile predicts their speed."""
+    return [n for n in SCHEDULES if not torch_refusals(version, Training(layout="stage", schedule=n), cpu)]
+
+
+def _accepts(name: str, pp: int, chunks: int) -> bool:
+    """The schedule's own rules (kit.schedules) on this pipeline, at the default 2 stages a task."""
+    findings = Findings()
+    schedule_row(name).check(pp, chunks, 2, findings)
+    return not findings.errors
+
+
 def advise(nodes: int, gpn: int, gib: float, model: dict, global_batch: int, v100: bool,
-           max_chunks: int = 32, schedule: str | None = "1f1b") -> list[dict]:
+           max_chunks: int = 32, schedule: str | tuple[str, ...] | None = "1f1b") -> list[dict]:
     """Every split of `nodes` x `gpn` GPUs that fits in `gib` per GPU at this global batch, in both layouts (the
-    page's replicas; bench_stage.py's pipelines with `schedule`, stage_schedule's, none where it is None), sorted
-    by fewest GPUs per replica or pipeline, then by bubble."""
+    page's replicas; bench_stage.py's pipelines with `schedule`, stage_schedule's, or each of several that accepts
+    the split, none where it is None), sorted by fewest GPUs per replica or pipeline, then by bubble."""
+    schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule or ())
     rows = []
     arch, low = requested_arch(v100)
     for tpn in divisors(gpn):
@@ -50,14 +66,16 @@ def advise(nodes: int, gpn: int, gib: float, model: dict, global_batch: int, v10
         for chunks in ([1] if nb_part == 1 else [c for c in divisors(batch) if c <= max_chunks]):
             rows += _advise_rows("replica", dict(model, batch_size=batch, chunks=chunks), nb_part, replicas, tpn,
                                  ("fp32", low), gib, arch)
-    for pp in [p for p in divisors(gpn) if p > 1 and model["nlayers"] >= p and schedule]:
+    for pp in [p for p in divisors(gpn) if p > 1 and model["nlayers"] >= p and schedules]:
         replicas = nodes * gpn // pp
         if global_batch % replicas:
             continue
         batch = global_batch // replicas
         for chunks in [c for c in divisors(batch) if pp <= c <= max_chunks]:
-            rows += _advise_rows("stage", dict(model, batch_size=batch, chunks=chunks), pp, replicas, gpn,
-                                 ("fp32",) if v100 else ("fp32", low), gib, arch, schedule)
+            for name in [n for n in schedules if _accepts(n, pp, chunks)
+                         and model["nlayers"] >= pp * schedule_row(n).stages_per_rank(2)]:
+                rows += _advise_rows("stage", dict(model, batch_size=batch, chunks=chunks), pp, replicas, gpn,
+                                     ("fp32",) if v100 else ("fp32", low), gib, arch, name)
     return sorted(rows, key=lambda r: (r["nb_part"], r["bubble"], r["peak_gib"], r["layout"]))
 
 
@@ -76,7 +94,8 @@ def _advise_rows(layout: str, m: dict, nb_part: int, replicas: int, tpn: int, pr
                     rows.append(dict(ntasks_per_node=tpn, nb_part=nb_part, replicas=replicas,
                                      batch_size=m["batch_size"], chunks=m["chunks"], precision=precision,
                                      activation_checkpointing=ckpt, zero=zero, peak_gib=round(peak, 2),
-                                     bubble=round(bubble(nb_part, m["chunks"]), 3), layout=layout,
+                                     bubble=round(schedule_bubble(schedule, nb_part, m["chunks"]) if layout
+                                                  == "stage" else bubble(nb_part, m["chunks"]), 3), layout=layout,
                                      schedule=schedule if layout == "stage" else "gpipe", peak_at=worst.peak_at))
     return rows
 
@@ -90,7 +109,7 @@ def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str,
     lines = [f"check_topology --advise: {nodes} node(s) x {gpn} GPU(s) of {gib:.1f} GiB ({source}), global batch "
              f"{global_batch}: {len(rows)} split(s) shown that fit, {ranked}; layout replica is "
              "bench_ddp_transformer.py (nb_part GPUs a task), stage is bench_stage.py (a task a GPU, nb_part = --pp)",
-             f"  {'layout':7} {'tasks/node':>10} {'nb_part':>7} {'replicas':>8} {'batch':>5} {'chunks':>6} "
+             f"  {'layout':7} {'schedule':21} {'tasks/node':>10} {'nb_part':>7} {'replicas':>8} {'batch':>5} {'chunks':>6} "
              f"{'precision':9} {'ckpt':4} {'zero':4} {'peak GiB':>8} {'bubble':>6}"
              + (f" {'samples/s':>9}  compute / bubble / per-micro-batch / communication / optimizer" if profile
                 else "")]
@@ -100,7 +119,7 @@ def advise_text(rows: list[dict], nodes: int, gpn: int, gib: float, source: str,
             terms = r.get("terms_ms")
             speed = (f" {r['samples_per_s']:>9.1f}  " + " / ".join(f"{terms[k]:.1f}" for k in SPEED_TERMS)
                      if terms else f" {'-':>9}  {r.get('why', '')}")
-        lines.append(f"  {r['layout']:7} {r['ntasks_per_node']:>10} {r['nb_part']:>7} {r['replicas']:>8} "
+        lines.append(f"  {r['layout']:7} {r['schedule']:21} {r['ntasks_per_node']:>10} {r['nb_part']:>7} {r['replicas']:>8} "
                      f"{r['batch_size']:>5} {r['chunks']:>6} {r['precision']:9} "
                      f"{'yes' if r['activation_checkpointing'] else 'no':4} {'yes' if r['zero'] else 'no':4} "
                      f"{r['peak_gib']:>8.2f} {r['bubble']:>6.1%}" + speed)
@@ -156,9 +175,12 @@ def advise_main(args: argparse.Namespace, t: Training) -> int:
         t.model = {**profile["key"]["model"], **t.model}
         t.nlayers = t.nlayers or profile["key"].get("nlayers")
     model = model_args(t)
-    # the profile's torch and device say which schedule the stage layout's trainer will run (TORCH_FEATURES)
+    # the profile's torch and device say which schedules the stage layout's trainer will run (TORCH_FEATURES);
+    # with a profile every one of them is ranked by its predicted speed, beside the splits
     schedule, schedule_note = stage_schedule(profile["key"].get("torch") if profile else None,
                                              bool(profile) and profile["device"] == "cpu")
+    if profile and schedule:
+        schedule = tuple(stage_schedules(profile["key"]["torch"], profile["device"] == "cpu"))
     rows = [r for batch in batches for r in advise(job.nodes, gpn, gib, model, batch, is_v100(job),
                                                    schedule=schedule)]
     if profile:

@@ -230,7 +230,7 @@ ARGS = (
     Arg("--schedule", str, "1f1b", choices=tuple(SCHEDULES), layouts=("stage",), group="pipeline", resume="applied",
         code="bad-schedule", help="torch.distributed.pipelining's schedule (kit/schedules.py)"),
     Arg("--virtual-stages", int, 2, lo=1, hi=64, layouts=("stage",), group="pipeline", resume="applied",
-        help=f"stages per task for {' and '.join(MULTI_STAGE)}"),
+        help=f"stages per task for {', '.join(MULTI_STAGE)} (the V ones, zbvzerobubble and dualpipev: exactly 2)"),
     # the user's own model instead of the kit's Transformer (kit.model, kit.own_model, kit.own_split;
     # docs/own_model.md); on a resume another model's weights, or another cut of them, are the checkpoint's layout
     # (layout_of's "model" and "part_sizes")

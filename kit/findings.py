@@ -216,8 +216,9 @@ CATCHES = {
     "pp-not-dividing-world": ("error", "stage layout: --pp not dividing the tasks"),
     "pipeline-spans-nodes": ("warning", "stage layout: pipelines that cross nodes (tasks per node, or srun's "
                              "--distribution numbering the ranks across nodes)"),
-    "chunks-below-stages": ("error", "stage layout: 1F1B with fewer chunks than stages"),
+    "chunks-below-stages": ("error", "stage layout: 1F1B (or DualPipeV: 2 x pp) with fewer chunks than stages"),
     "chunks-not-rounds": ("error", "stage layout: interleaved chunks not a multiple of the rounds"),
+    "v-two-stages": ("error", "stage layout: a V schedule (zbvzerobubble, dualpipev) with other than 2 stages a task"),
     # inside a running step (srun python check_topology.py)
     "task-missing": ("error", "a task that never reported to task 0"),
     "affinity-small": ("warning", "a task may run on fewer CPUs than --cpus-per-task"),

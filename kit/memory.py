@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 
 from kit.arguments import PRECISIONS, Training
 from kit.plan import part_contents, part_sizes
-from kit.schedules import BACKWARD, FORWARD, most_alive, schedule
+from kit.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, most_alive, schedule,
+                           split_backward)
 
 
 # What one GPU holds at the worst moment of a training step (the peak), in bytes, from the model arguments alone,
@@ -718,7 +719,8 @@ def _stage_static(model: dict, t: "Training", z: _Dims, s: int, stages: int, rep
     numel, largest = part_params(model, layers, first, last)
     owned = (_stage_zero(z.d, z.dh, z.vocab, layers, first, last, replicas) if t.zero else numel)
     E, m = 4 * z.d * z.n, model["chunks"]
-    static = dict(params=4 * numel, optimizer=8 * owned, buckets=4 * numel,
+    # no DDP (so no buckets) under the zero-bubble schedules: bench_stage.py all-reduces their gradients itself
+    static = dict(params=4 * numel, optimizer=8 * owned, buckets=0 if split_backward(t.schedule) else 4 * numel,
                   buffers=(4 * model["seq_len"] * z.d if first else 0) + m * E * ((not first) + (not last)),
                   inputs=8 * model["batch_size"] * ((model["seq_len"] if first else 0) + last))
     return static, owned, largest
@@ -750,13 +752,31 @@ def estimate_stage_memory(model: dict, t: "Training", pp: int, replicas: int, ar
 
 
 def replayed(t: "Training", pp: int, virtual: int, chunks: int, rank: int) -> list:
-    """The actions task `rank` runs (kit.schedules), those this model replays: forwards and full backwards. A
-    backward split into its input's and its weights' halves (the zero-bubble schedules) is not modelled yet."""
-    actions = schedule(t.schedule).actions(pp, virtual, chunks, rank)
-    if any(a.kind not in (FORWARD, BACKWARD) for a in actions):
-        raise NotEstimated(f"--schedule {t.schedule} splits the backward in two (its input's gradient, then its "
-                           "weights'), which the memory model does not replay yet")
-    return actions
+    """The actions task `rank` runs (kit.schedules), as this model replays them: forwards, full backwards (B), and
+    the zero-bubble schedules' split ones (I, then W)."""
+    return schedule(t.schedule).actions(pp, virtual, chunks, rank)
+
+
+def _stash(z: _Dims, layers: int) -> int:
+    """What the input backward (I) of one micro-batch leaves for its W on a stage: the gradient of each op's output
+    that leads to a weight (_backward.py stage_backward_input: a pre-hook keeps each intermediate's gradient in its
+    param_group until stage_backward_weight), per Layer: in_proj (3 d), out_proj, linear2 (d each) and linear1 (d_hid)
+    in the compute dtype, the two LayerNorms' (d each) in fp32. The Decoder's few are left out."""
+    return layers * z.n * ((5 * z.d + z.dh) * z.a + 2 * z.d * 4)
+
+
+def _recomputed(z: _Dims, t: "Training", layers: int, last: bool) -> int:
+    """Under --activation-checkpointing, what an I's recomputation leaves for its W: the Layers' tape as without
+    checkpointing (autograd.grad with retain_graph=True keeps what the recomputed forward saved: _backward.py
+    stage_backward_input), beyond the checkpoints themselves."""
+    if not t.activation_checkpointing:
+        return 0
+    full, ckpt = (_stack(z, c, layers, False, last, "add_")["mb"] for c in (False, True))
+    return sum(full.values()) - sum(ckpt.values())
+
+
+_MOMENT = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "input backward (I)",
+           BACKWARD_WEIGHT: "weight backward (W)"}
 
 
 def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtual: int, replicas: int, arch: str,
@@ -773,27 +793,41 @@ def _stage_task(model: dict, t: "Training", z: _Dims, rank: int, pp: int, virtua
         kept = _add((1, stack["mb"]), (1, {"activations": E if s < stages - 1 else 0}))  # the output kept
         if s > 0 and (t.activation_checkpointing or (z.nb == 1 and z.a == 4)):
             kept["activations"] -= E  # the first Layer keeps its input: the receive buffer itself
-        st.append(dict(stack, mb=kept, input_grad=E if s > 0 else 0, output=E if s < stages - 1 else 0))
+        st.append(dict(stack, mb=kept, input_grad=E if s > 0 else 0, output=E if s < stages - 1 else 0,
+                       stash=_stash(z, sizes[s]) if s > 0 else 0))
     size = [{key: sum(s[key].values()) for key in ("mb", "fw", "bw0", "bw1")} for s in st]
     alive, done, grads, held, held_bytes, best = [0] * virtual, [False] * virtual, 0, 0, 0, (-1, None)
+    stashed = 0  # the split backward's gradients waiting for their W (_stash)
     actions = replayed(t, pp, virtual, m, rank)
     for i, (kind, _, stage) in enumerate(actions):
-        k, back = ids.index(stage), kind == BACKWARD
+        k, back = ids.index(stage), kind != FORWARD
+        # the zero-bubble schedules' split backward (_backward.py stage_backward_input/_weight): I runs the
+        # backward to the input with retain_graph=True, the micro-batch's tape stays alive until its W, which ends
+        # it as B does; the first stage's I runs nothing and its W the whole backward (stage.py)
+        ends, sends = kind in (BACKWARD, BACKWARD_WEIGHT), kind in (BACKWARD, BACKWARD_INPUT)
         key = "bw1" if back and done[k] else "bw0" if back else "fw"
-        mine = st[k]["grads"] if key == "bw1" else 0  # bw1 holds this stage's gradients itself
-        now = held_bytes - (size[k]["mb"] if back else 0) + size[k][key] + grads - mine + held
+        mine = st[k]["grads"] if key == "bw1" and ends else 0  # bw1 holds this stage's gradients itself
+        if kind == BACKWARD_INPUT and ids[k] == 0:
+            continue
+        # an I keeps its own stash as it goes back: at its moment, that of every Layer but the one running
+        stashed -= st[k]["stash"] if kind == BACKWARD_WEIGHT else 0
+        own = (_stash(z, max(0, sizes[ids[k]] - 1)) + _recomputed(z, t, sizes[ids[k]], ids[k] == stages - 1)
+               if kind == BACKWARD_INPUT and ids[k] > 0 else 0)
+        now = held_bytes - (size[k]["mb"] if back else 0) + size[k][key] + grads - mine + held + stashed + own
         if now > best[0]:
             counts = [alive[j] - (back and j == k) for j in range(virtual)]
-            best = (now, (f"{'backward' if back else 'forward'} of stage {ids[k]}, step {i + 1}", st[k][key],
-                          (counts, grads - mine, held)))
-        if back:
+            best = (now, (f"{_MOMENT[kind]} of stage {ids[k]}, step {i + 1}", st[k][key],
+                          (counts, grads - mine, held + stashed + own)))
+        stashed += st[k]["stash"] if kind == BACKWARD_INPUT else 0
+        if ends:
             alive[k] -= 1
             held_bytes -= size[k]["mb"]
             grads += 0 if done[k] else st[k]["grads"]
             done[k] = True
+        if sends:
             held = held + st[k]["input_grad"] if any(retains) else max(held, st[k]["input_grad"])
             held += st[k]["output"] if retains[1] else 0
-        else:
+        if kind == FORWARD:
             alive[k] += 1
             held_bytes += size[k]["mb"]
     where, rel, (counts, g, h) = best[1]

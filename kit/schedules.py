@@ -55,6 +55,21 @@ def chunks_in_rounds(name: str, pp: int, chunks: int, virtual: int, findings: Fi
                        f"{rounds} (got {chunks}); try --chunks {rounds * pp}")
 
 
+def two_stages_a_task(name: str, pp: int, chunks: int, virtual: int, findings: Findings) -> None:
+    """The V schedules run exactly two stages a task (torch: "ZBV requires exactly 2 stages per rank")."""
+    if virtual != 2:
+        findings.error("v-two-stages", f"--schedule {name} runs exactly 2 stages a task (a V: task r holds stages r "
+                       f"and 2 x pp - 1 - r), not --virtual-stages {virtual}: give --virtual-stages 2 (the default), "
+                       "or --schedule interleavedzerobubble for more stages a task")
+
+
+def chunks_at_least_all_stages(name: str, pp: int, chunks: int, virtual: int, findings: Findings) -> None:
+    """ScheduleDualPipeV asks for a micro-batch per stage of the V at least: 2 x pp (torch raises at its build)."""
+    if chunks < 2 * pp:
+        findings.error("chunks-below-stages", f"--schedule {name} needs --chunks >= the 2 x {pp} = {2 * pp} stages "
+                       f"of its V (got {chunks}): try --chunks {2 * pp} or --schedule zbvzerobubble")
+
+
 def _numbered(steps: list[tuple[str, int]]) -> list[Action]:
     """(kind, stage) steps with each stage's micro-batches numbered in the order they come, per kind."""
     seen: dict[tuple[str, int], int] = {}
@@ -101,6 +116,102 @@ def interleaved_order(pp: int, virtual: int, chunks: int, rank: int) -> list[Act
         if op >= warm:
             steps.append((BACKWARD, (virtual - 1 - ((op - warm) // per_round) % virtual) * pp + rank))
     return _numbered(steps)
+
+
+# The zero-bubble orders, from the same file: ScheduleInterleavedZeroBubble's _calculate_single_rank_operations
+# (_get_warmup_ops with multiply_factor=1 and _get_1f1b_rank_ops with enable_zero_bubble: each backward is I, and its
+# W follows once rank backwards are behind it), ScheduleZBVZeroBubble's and ScheduleDualPipeV's (their V: task r holds
+# stages r and 2 pp - 1 - r). Their padding (None) is left out; _add_bubbles_to_actions only adds padding. DualPipeV's
+# OVERLAP_F_B runs its forward, then its full backward (_PipelineScheduleRuntime._step_microbatches).
+def interleaved_zero_bubble_order(pp: int, virtual: int, chunks: int, rank: int) -> list[Action]:
+    """(virtual - 1) x chunks-per-round + pp - 1 - rank forwards, then a forward and an input backward (I) in turn,
+    each I's weight backward (W) `rank` backwards later, then the I and W left."""
+    per_round = chunks // max(1, chunks // pp)
+    warm = min((virtual - 1) * per_round + (pp - 1 - rank), chunks * virtual)
+    ops = chunks * virtual
+
+    def back(op: int) -> int:
+        return (virtual - 1 - ((op - warm) // per_round) % virtual) * pp + rank
+    steps: list[tuple[str, int]] = []
+    backs: list[int] = []  # the ops whose I ran, in order: their W follow in the same order
+    weights = 0
+    for op in range(ops + warm):
+        if op < ops:
+            steps.append((FORWARD, ((op // per_round) % virtual) * pp + rank))
+        if op >= warm:
+            steps.append((BACKWARD_INPUT, back(op)))
+            backs.append(op)
+            if op - warm >= rank:
+                steps.append((BACKWARD_WEIGHT, back(backs[weights])))
+                weights += 1
+    steps += [(BACKWARD_WEIGHT, back(op)) for op in backs[weights:]]
+    return _numbered(steps)
+
+
+def zbv_order(pp: int, virtual: int, chunks: int, rank: int) -> list[Action]:
+    """The V of ScheduleZBVZeroBubble on stages rank (going down) and 2 pp - 1 - rank (coming back), planned for
+    max(2 pp - 1, chunks) micro-batches and cut to `chunks` (as torch does)."""
+    n, s0, s1 = max(2 * pp - 1, chunks), rank, 2 * pp - 1 - rank
+    steps = [(FORWARD, s0)] * (2 * (pp - rank) - 1) + [(x, s) for _ in range(rank) for x, s in
+                                                       ((FORWARD, s1), (FORWARD, s0))]
+    steps += [(x, s1) for _ in range(pp - rank) for x in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)]
+    f0, f1 = 2 * (pp - rank) - 1 + rank, pp
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            steps.append((FORWARD, s0))
+            f0 += 1
+        steps += [(BACKWARD_INPUT, s0), (BACKWARD_WEIGHT, s0), (FORWARD, s1), (BACKWARD_INPUT, s1),
+                  (BACKWARD_WEIGHT, s1)]
+        f1 += 1
+    i0 = i1 = 0  # the cool-down's input backwards not yet followed by their W, per stage
+    for _ in range(rank):
+        steps += [(BACKWARD_INPUT, s0), (BACKWARD_INPUT, s1)]
+        i0, i1 = i0 + 1, i1 + 1
+    steps += [x for _ in range(pp - rank) for x in ((BACKWARD_INPUT, s0), (BACKWARD_WEIGHT, s0))]
+    steps += [(BACKWARD_WEIGHT, s1)] * i1 + [(BACKWARD_WEIGHT, s0)] * i0
+    return [a for a in _numbered(steps) if a.mb < chunks]
+
+
+def dualpipev_order(pp: int, virtual: int, chunks: int, rank: int) -> list[Action]:
+    """DeepSeek's DualPipeV on the V (stages rank and 2 pp - 1 - rank): forwards, then forward and backward pairs
+    (some backwards full, B, some split, I then W later), then the backwards and W left."""
+    s0, s1 = rank, 2 * pp - 1 - rank
+    out: list[Action] = []
+    count: dict[tuple[str, int], int] = {}
+    queue: list[tuple[int, int]] = []  # the I waiting for their W, oldest first
+
+    def add(kind: str, stage: int) -> None:
+        key = (FORWARD if kind == FORWARD else BACKWARD_INPUT, stage)  # B and I share their micro-batch count
+        mb = count[key] = count.get(key, -1) + 1
+        out.append(Action(kind, mb, stage))
+        if kind == BACKWARD_INPUT:
+            queue.append((stage, mb))
+
+    def weight() -> None:
+        if queue:
+            stage, mb = queue.pop(0)
+            out.append(Action(BACKWARD_WEIGHT, mb, stage))
+    for _ in range(2 * (pp - rank - 1)):
+        add(FORWARD, s0)
+    for _ in range(rank + 1):
+        add(FORWARD, s0), add(FORWARD, s1)
+    for _ in range(pp - rank - 1):
+        add(BACKWARD_INPUT, s1), weight(), add(FORWARD, s1)
+    for i in range(chunks - 2 * pp + rank + 1):
+        add(FORWARD, s0), add(BACKWARD, s1), add(FORWARD, s1), add(BACKWARD, s0)
+    for _ in range(pp - rank - 1):
+        add(BACKWARD, s1), add(FORWARD, s1), add(BACKWARD, s0)
+    split = False
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        add(BACKWARD_INPUT if split else BACKWARD, s1)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        add(BACKWARD_INPUT if split else BACKWARD, s0)
+    for _ in range(pp - rank - 1):
+        weight(), add(BACKWARD_INPUT if split else BACKWARD, s0)
+    for _ in range(rank + 1):
+        weight()
+    return out
 
 
 def loop_placement(rank: int, pp: int, virtual: int) -> list[int]:
@@ -152,10 +263,13 @@ class Schedule:
             rule(self.name, pp, chunks, virtual, findings)
 
 
-# Not offered (yet): the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, DualPipeV)
-# split the weight gradients out of the backward, which DDP's gradient hooks don't follow (ZB-V crashed with DDP
-# here). Before 2.8, every schedule but GPipe batches a send with a receive and waits forever on one of the requests
-# gloo returns (pytorch/pytorch#132644, fixed by #152938; kit.releases, docs/releases.md); nccl is not affected.
+# The zero-bubble schedules (interleavedzerobubble, zbvzerobubble, dualpipev) split the weights' gradients out of
+# the backward (I, then W later), which DDP's gradient hooks don't follow (ZB-V crashed with DDP here): bench_stage.py
+# runs their stages without DDP and all-reduces the gradients over the replicas itself after the step
+# (split_backward). Before 2.8, every schedule but GPipe batches a send with a receive and waits forever on one of
+# the requests gloo returns (pytorch/pytorch#132644, fixed by #152938; kit.releases, docs/releases.md); nccl is not
+# affected. Their first releases: ScheduleInterleavedZeroBubble 2.5, ScheduleZBVZeroBubble 2.6 (pytorch#138444),
+# ScheduleDualPipeV 2.9 (docs/releases.md).
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("gpipe", "ScheduleGPipe", gpipe_order, lighter="1f1b",
              doc="fill and drain: every forward, then every backward (all micro-batches alive)"),
@@ -166,9 +280,25 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("loopedbfs", "ScheduleLoopedBFS", looped_bfs_order, multi_stage=True, gloo_first=(2, 8),
              rules=(chunks_in_rounds,), lighter="1f1b",
              doc="breadth first over --virtual-stages looped stages a task: each stage's forwards, then backwards"),
+    Schedule("interleavedzerobubble", "ScheduleInterleavedZeroBubble", interleaved_zero_bubble_order,
+             multi_stage=True, first=(2, 5), gloo_first=(2, 8), rules=(chunks_in_rounds,), lighter="1f1b",
+             doc="zero bubble (ZB1P) over --virtual-stages looped stages a task: backwards split, W fills the bubble"),
+    Schedule("zbvzerobubble", "ScheduleZBVZeroBubble", zbv_order, multi_stage=True, placement="v", fixed_stages=2,
+             first=(2, 6), gloo_first=(2, 8), rules=(two_stages_a_task,), lighter="1f1b",
+             doc="zero bubble on a V of 2 stages a task (task r: r and 2 pp - 1 - r), backwards split"),
+    Schedule("dualpipev", "ScheduleDualPipeV", dualpipev_order, multi_stage=True, placement="v", fixed_stages=2,
+             first=(2, 9), rules=(two_stages_a_task, chunks_at_least_all_stages), lighter="1f1b",
+             doc="DeepSeek's DualPipeV on the same V: forward and backward pairs, half the backwards split"),
 )}
 
 MULTI_STAGE = tuple(name for name, s in SCHEDULES.items() if s.multi_stage)
+
+
+def split_backward(name: str) -> bool:
+    """Whether --schedule `name` splits a backward into I and W (the zero-bubble schedules): DDP's hooks don't
+    follow it, and the memory and speed models replay W apart. Read off its order on a small pipeline."""
+    row = schedule(name)
+    return any(a.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) for a in row.actions(2, 2, 4, 0))
 
 
 def schedule(name: str) -> Schedule:

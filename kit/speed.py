@@ -15,7 +15,8 @@ from kit.arguments import ARG, Training, show_value
 from kit.bounded import FileProblem, read_regular
 from kit.memory import part_params
 from kit.plan import part_sizes
-from kit.schedules import BACKWARD, FORWARD, SCHEDULES, Action, depends, schedule
+from kit.schedules import (BACKWARD, BACKWARD_INPUT, FORWARD, SCHEDULES, Action, depends, schedule,
+                           split_backward)
 from kit.site import JEAN_ZAY
 
 
@@ -443,14 +444,42 @@ def _queues(layout: str, schedule_name: str, stages: int, pp: int, chunks: int, 
         return [[("F", s, i) for _, q, i in fwd if q == s] + [("B", s, i) for _, q, i in bwd if q == s]
                 for s in range(stages)]
     virtual = stages // pp
-    queues = []
-    for rank in range(pp):
-        actions = schedule(schedule_name).actions(pp, virtual, chunks, rank)
-        if any(a.kind not in (FORWARD, BACKWARD) for a in actions):  # a profile times whole backwards only
-            raise ProfileError(f"--schedule {schedule_name} splits the backward in two (its input's gradient, then "
-                               "its weights'), which the speed model does not simulate yet")
-        queues.append([(a.kind, a.stage, a.mb) for a in actions])
-    return queues
+    return [[(a.kind, a.stage, a.mb) for a in schedule(schedule_name).actions(pp, virtual, chunks, rank)]
+            for rank in range(pp)]
+
+
+# The split backward's halves, from a stage's measured full backward (the profile times whole backwards): each
+# Linear's backward is two matmuls of its forward's cost, one for the input's gradient and one for the weight's
+# (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, sec. 2: T_F ~ T_B ~ T_W for a transformer layer; torch's
+# ScheduleZBVZeroBubble docstring assumes the same), so I and W are half of B each. On the first stage torch's I runs
+# nothing and its W the whole backward (stage.py backward_one_chunk, backward_weight_one_chunk).
+INPUT_SHARE = 0.5
+
+
+def op_time(part: dict, kind: str, stage: int) -> float:
+    """One action's compute on a stage (part: its "f" and "b"): F, B, and the split backward's I and W."""
+    if kind == FORWARD:
+        return part["f"]
+    if kind == BACKWARD:
+        return part["b"]
+    share = 0.0 if stage == 0 else INPUT_SHARE
+    return part["b"] * (share if kind == BACKWARD_INPUT else 1 - share)
+
+
+def schedule_bubble(name: str, pp: int, chunks: int, virtual: int = 2) -> float:
+    """The idle fraction of a schedule's busiest-idle task with equal stages (a backward twice a forward, its halves
+    equal): GPipe's and 1F1B's (pp - 1) / (chunks + pp - 1), less for the interleaved and zero-bubble orders."""
+    stages = pp * schedule(name).stages_per_rank(virtual)
+    queues = _queues("stage", name, stages, pp, chunks, False)
+    cost = lambda kind, s: op_time({"f": 1.0, "b": 2.0}, kind, s)  # noqa: E731
+    makespan, _ = _simulate(queues, cost, 0.0, stages)
+    return max(1 - sum(cost(k, s) for k, s, _ in ops) / makespan for ops in queues)
+
+
+def _done_key(key: tuple) -> tuple:
+    """A backward's input gradient is there after its B or its I, whichever the schedule ran (DualPipeV runs both
+    kinds): one key for either."""
+    return ("dx", key[1], key[2]) if key[0] in (BACKWARD, BACKWARD_INPUT) else key
 
 
 def _simulate(queues: list[list[tuple]], duration: Callable[[str, int], float], delay: float, stages: int
@@ -467,12 +496,12 @@ def _simulate(queues: list[list[tuple]], duration: Callable[[str, int], float], 
         for q, ops in enumerate(queues):
             while heads[q] < len(ops):
                 kind, s, i = ops[heads[q]]
-                deps = depends(Action(kind, i, s), stages)
+                deps = [_done_key(d) if d[1] != s else d for d in depends(Action(kind, i, s), stages)]
                 if any(d not in end for d in deps):
                     break
                 ready = max((end[d] + (delay if owner[d[1]] != q else 0.0) for d in deps), default=0.0)
                 end[kind, s, i] = max(free[q], ready) + duration(kind, s)
-                free[q] = end[kind, s, i]
+                end[_done_key((kind, s, i))] = free[q] = end[kind, s, i]
                 heads[q] += 1
                 left -= 1
                 moved = True
@@ -480,6 +509,13 @@ def _simulate(queues: list[list[tuple]], duration: Callable[[str, int], float], 
             stuck = [ops[h] for ops, h in zip(queues, heads) if h < len(ops)]
             raise RuntimeError(f"pipeline schedule stalls at {stuck}")
     return max(free), end
+
+
+def _gradients_ready(end: dict, parts: list[dict], makespan: float, split: bool) -> list[tuple[float, int]]:
+    """(time, bytes) of each part's gradients, the last part first: at its last backward; a split backward's after
+    the step (bench_stage.py all-reduces them itself then, without DDP)."""
+    return [(makespan if split else max(v for (k, s, _), v in end.items() if k == BACKWARD and s == j),
+             parts[j]["bytes"]) for j in reversed(range(len(parts)))]
 
 
 def _allreduce_time(profile: dict, nbytes: float, replicas: int, across_nodes: bool) -> tuple[float, str | None]:
@@ -585,7 +621,7 @@ def predict_speed(profile: dict, model: dict, t: "Training", nb_part: int, repli
     # the engine's cost already holds a send of its tiny activation: the delay is what a larger one adds
     p2p = profile.get("p2p") if stage else None
     delay = max(0.0, _interpolate(p2p, act) - p2p[0][1]) if p2p else 0.0
-    compute = lambda kind, s: parts[s]["f" if kind == "F" else "b"] * slower  # noqa: E731
+    compute = lambda kind, s: op_time(parts[s], kind, s) * slower  # noqa: E731
     bare, _ = _simulate(queues, lambda k, s: compute(k, s) + per_op, 0.0, stages)
     makespan, end = _simulate(queues, lambda k, s: compute(k, s) + per_op, delay, stages)
     busy = max(queues, key=lambda ops: sum(compute(k, s) for k, s, _ in ops))
@@ -593,8 +629,7 @@ def predict_speed(profile: dict, model: dict, t: "Training", nb_part: int, repli
     comm = makespan - bare
     residual = 0.0 if stage else _step_residual(profile, model, t, tasks_per_node, threads)
     if replicas > 1:
-        ready = [(max(v for (k, s, _), v in end.items() if k == "B" and s == j), parts[j]["bytes"])
-                 for j in reversed(range(stages))]
+        ready = _gradients_ready(end, parts, makespan, stage and split_backward(t.schedule))
         per_node = tasks_per_node // pp if stage else tasks_per_node
         across = nodes > 1 and replicas > per_node
         groups = [[r] for r in ready] if stage else [ready]  # a stage layout's stages reduce at the same time

@@ -3,6 +3,7 @@ saves the loss seen by the last stage and every local stage's gradients under th
 Started once per task by tests/test_stage.py, under srun-like variables."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,12 +27,15 @@ def main() -> None:
     trainer.start()
     x, y = global_batch(cfg, trainer.dp_size)
     shard = slice(trainer.dp_rank * cfg.batch_size, (trainer.dp_rank + 1) * cfg.batch_size)
-    for opt in trainer.optimizers.values():  # gradients only: the step's update must not run
-        opt.step = lambda *a, **k: None
+    stepping = os.environ.get("STAGE_STEP_WEIGHTS") == "1"  # the whole step, its update too: the weights after it
+    if not stepping:
+        for opt in trainer.optimizers.values():  # gradients only: the step's update must not run
+            opt.step = lambda *a, **k: None
     stats = trainer.train_step(x[shard], y[shard])
-    torch.save({"stats": stats, "last": trainer.last_holder,
-                "grads": {f"{s}.{n}": p.grad.clone() for s, m in trainer.modules.items()
-                          for n, p in m.named_parameters()}}, out_dir / f"rank{idr_torch.rank}.pt")
+    weights = {s: [p.detach().clone() for p in m.parameters()] for s, m in trainer.modules.items()}
+    torch.save({"stats": stats, "last": trainer.last_holder, "weights": weights if stepping else None,
+                "grads": {} if stepping else {f"{s}.{n}": p.grad.clone() for s, m in trainer.modules.items()
+                                              for n, p in m.named_parameters()}}, out_dir / f"rank{idr_torch.rank}.pt")
     trainer.close()
     torch.distributed.destroy_process_group()
 

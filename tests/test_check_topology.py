@@ -283,6 +283,7 @@ NOT_IN_CORPUS = {
                      "engine-unavailable / torch-too-old",
     **{c: "test_stage_layout_findings" for c in ("pp-too-small", "pp-not-dividing-world", "pipeline-spans-nodes",
                                                  "chunks-below-stages", "chunks-not-rounds")},
+    "v-two-stages": "tests/test_zero_bubble.py test_check_args_refuses_what_the_schedule_refuses",
 }
 
 

@@ -44,7 +44,10 @@ REQUESTS = {
                            kit.arguments.Training(engine="torch-pipe"),
                            "torch-pipe"),
     **{f"stage {s}": ("bench_stage", ["--pp", "2", "--schedule", s, "--chunks", "4"],
-                      kit.arguments.Training(layout="stage", schedule=s), "stage" if V < (2, 4) else s) for s in kit.schedules.SCHEDULES},
+                      kit.arguments.Training(layout="stage", schedule=s), "stage" if V < (2, 4) else s) for s in kit.schedules.SCHEDULES
+       # not (yet) columns of the table: the zero-bubble schedules (issue 44), whose lanes have not run here; their
+       # releases' refusals are tests/test_schedules.py's
+       if not kit.schedules.split_backward(s)},
 }
 
 

@@ -69,15 +69,24 @@ def test_each_schedule_has_its_torch_class_and_the_releases_read_the_table():
     later `gloo_first` before that release (the line of kit.releases, as the trainers and the checker print it)."""
     assert {n: s.torch_class for n, s in kit.schedules.SCHEDULES.items()} == {
         "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
-        "loopedbfs": "ScheduleLoopedBFS"}
-    assert kit.schedules.MULTI_STAGE == ("interleaved1f1b", "loopedbfs")
+        "loopedbfs": "ScheduleLoopedBFS", "interleavedzerobubble": "ScheduleInterleavedZeroBubble",
+        "zbvzerobubble": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+    assert kit.schedules.MULTI_STAGE == ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
+                                         "dualpipev")
     for name, row in kit.schedules.SCHEDULES.items():
         t = kit.arguments.Training(layout="stage", schedule=name)
         before = kit.releases.torch_refusals("2.3.1", t)
         assert before[0].startswith("the stage layout (bench_stage.py) needs torch >= 2.4"), before
+        if row.first > (2, 6):  # DualPipeV (2.9): its class is the refusal, on any device
+            assert kit.releases.torch_refusals("2.8.0", t)[0].startswith(f"--schedule {name} needs torch >= 2.9")
+            assert not kit.releases.torch_refusals("2.14.1", t, cpu=True)
+            continue
         on_gloo = kit.releases.torch_refusals("2.6.0", t, cpu=True)
         assert bool(on_gloo) == bool(row.gloo_first), name
         assert not kit.releases.torch_refusals("2.6.0", t) and not kit.releases.torch_refusals("2.8.0", t, cpu=True)
+    assert kit.releases.torch_refusals("2.5.1", kit.arguments.Training(layout="stage", schedule="zbvzerobubble")) == [
+        "--schedule zbvzerobubble needs torch >= 2.6 (torch.distributed.pipelining.ScheduleZBVZeroBubble first ships "
+        "in 2.6) but this is torch 2.5.1; use --schedule 1f1b, or module load pytorch-gpu/py3/2.6.0 or later"]
     assert kit.releases.torch_refusals("2.6.0", kit.arguments.Training(layout="stage", schedule="1f1b"), cpu=True) == [
         "--schedule 1f1b without a GPU (gloo) needs torch >= 2.8 (before 2.8 it waits forever on gloo, "
         "pytorch/pytorch#132644) but this is torch 2.6.0; use --schedule gpipe on the CPU (GPUs with nccl are not "
@@ -86,7 +95,10 @@ def test_each_schedule_has_its_torch_class_and_the_releases_read_the_table():
 
 @pytest.mark.parametrize("schedule,chunks,code", [("1f1b", 1, "chunks-below-stages"), ("gpipe", 1, None),
                                                   ("interleaved1f1b", 5, "chunks-not-rounds"),
-                                                  ("loopedbfs", 5, "chunks-not-rounds"), ("interleaved1f1b", 4, None)])
+                                                  ("loopedbfs", 5, "chunks-not-rounds"), ("interleaved1f1b", 4, None),
+                                                  ("interleavedzerobubble", 5, "chunks-not-rounds"),
+                                                  ("zbvzerobubble", 1, None), ("dualpipev", 3, "chunks-below-stages"),
+                                                  ("dualpipev", 4, None)])
 def test_a_schedules_rules_are_the_checks(schedule, chunks, code):
     """The rules of a row are what check_stage refuses (the trainers' and the checker's one function)."""
     t = kit.arguments.Training(layout="stage", pp=2, schedule=schedule, chunks=chunks, batch_size=20)
@@ -98,10 +110,11 @@ def test_a_schedules_rules_are_the_checks(schedule, chunks, code):
     assert alone == findings.errors
 
 
-def test_the_v_placement_and_the_split_backward_are_refused_where_not_modelled():
-    """What issue 44's zero-bubble rows will use: the V placement (task r: r and 2 pp - 1 - r), the dependencies of
-    a split backward (I after the next stage's I, W after its own I); the memory and speed models refuse an order
-    with I and W in one line rather than model it as a full backward."""
+def test_the_v_placement_and_the_split_backward():
+    """What the zero-bubble rows use: the V placement (task r: r and 2 pp - 1 - r), the dependencies of a split
+    backward (I after the next stage's I, W after its own I). The memory model replays I and W: on the first stage
+    I runs nothing and W the whole backward (stage.py), so there GPipe's order split in two is GPipe's estimate less
+    DDP's buckets (none: bench_stage.py all-reduces a split schedule's gradients itself)."""
     assert kit.schedules.v_placement(0, 4, 2) == [0, 7] and kit.schedules.v_placement(3, 4, 2) == [3, 4]
     A = kit.schedules.Action
     assert kit.schedules.depends(A("I", 2, 3), 8) == [("F", 3, 2), ("I", 4, 2)]
@@ -115,9 +128,17 @@ def test_the_v_placement_and_the_split_backward_are_refused_where_not_modelled()
     kit.schedules.SCHEDULES["split"] = row
     try:
         t = kit.arguments.Training(layout="stage", schedule="split")
-        with pytest.raises(kit.memory.NotEstimated, match="splits the backward in two"):
-            kit.memory.estimate_stage_memory(dict(kit.arguments.GPU_DEFAULTS), t, 2, 1)
-        with pytest.raises(kit.speed.ProfileError, match="splits the backward in two"):
-            kit.speed._queues("stage", "split", 2, 2, 4, False)
+        split = kit.memory.estimate_stage_memory(dict(kit.arguments.GPU_DEFAULTS), t, 2, 1)[0]
+        gpipe = kit.memory.estimate_stage_memory(dict(kit.arguments.GPU_DEFAULTS),
+                                                 kit.arguments.Training(layout="stage", schedule="gpipe"), 2, 1)[0]
+        assert split.buckets == 0 < gpipe.buckets and split.peak == gpipe.peak - gpipe.buckets
+        # the speed model: on the first stage I is free and W the whole backward, elsewhere each half of B. GPipe's
+        # order split: stage 0 waits for stage 1's I of a micro-batch only, not its W (by hand: 14, GPipe's 15)
+        part = {"f": 1.0, "b": 2.0}
+        assert [kit.speed.op_time(part, k, s) for k in "FBIW" for s in (0, 1)] == [1, 1, 2, 2, 0, 1, 2, 1]
+        queues = kit.speed._queues("stage", "split", 2, 2, 4, False)
+        gpipe = kit.speed._queues("stage", "gpipe", 2, 2, 4, False)
+        cost = lambda k, s: kit.speed.op_time(part, k, s)  # noqa: E731
+        assert (kit.speed._simulate(queues, cost, 0.0, 2)[0], kit.speed._simulate(gpipe, cost, 0.0, 2)[0]) == (14, 15)
     finally:
         del kit.schedules.SCHEDULES["split"]

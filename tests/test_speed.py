@@ -18,6 +18,7 @@ import pytest
 
 from launch import ROOT, TORCH, bench, clean_env
 
+import kit.advise
 import kit.arguments
 import kit.releases
 import kit.speed
@@ -168,6 +169,7 @@ def test_advise_ranks_by_the_profile_and_its_commands_are_what_the_trainers_read
     profile = linear_profile("cpu")
     profile["key"].update(torch="2.13.0", model={k: MODEL[k] for k in kit.speed.PROFILE_MODEL}, nlayers=4)
     profile["engine"]["per_micro_batch_part_s"] = 0.002  # chunks cost: the fewest win on a shared device
+    profile["stage_engine"]["per_micro_batch_stage_s"] = 0.002  # in both layouts (else a zero-bubble row wins)
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile))
     plan = ["--advise", "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem", "16", "--global-batch", "32"]
@@ -214,7 +216,13 @@ def test_advise_gives_the_stage_layout_the_schedule_the_profiles_torch_runs(tmp_
         layout = kit.arguments.TRAINERS[script]
         t = kit.arguments.training_from_args(kit.arguments.read_trainer_argv(layout, argv).values, layout)
         assert not kit.releases.torch_refusals(torch_version, t, cpu=device == "cpu"), line
-        assert layout == "replica" or t.schedule == schedule
+        assert layout == "replica" or t.schedule in kit.advise.stage_schedules(torch_version, device == "cpu")
+    # with a profile every schedule that release runs is ranked beside the splits (issue 44): the zero-bubble ones
+    # from 2.8 on gloo, from their first releases on GPUs (DualPipeV: 2.9)
+    ranked = {line.split("--schedule ")[1].split()[0] for line in stage}
+    assert ranked == ({schedule} if schedule == "gpipe" else set(kit.advise.stage_schedules(torch_version,
+                                                                                          device == "cpu")))
+    assert ("zbvzerobubble" in ranked) == (schedule == "1f1b")
     text = checker(*plan).stdout
     assert ("note: stage layout rows run --schedule gpipe" in text) == (schedule == "gpipe")
     assert ("note: no stage layout rows: the stage layout (bench_stage.py) needs torch >= 2.4" in text) == (schedule is None)
