@@ -24,6 +24,7 @@ import kit.placement
 import kit.plan
 import kit.report
 import kit.slurm
+from checker import run_checker
 from launch import checker_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +32,8 @@ CORPUS = Path(__file__).resolve().parent / "sbatch"
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The checker as a real process: for the tests of its command line (exit codes, the environment it starts in);
+    the tests of a verdict call it in this process (tests/checker.py's run_checker, the same result)."""
     return subprocess.run([sys.executable, str(ROOT / "check_topology.py"), *args], capture_output=True, text=True,
                           timeout=60, env=env)
 
@@ -62,7 +65,8 @@ def test_page_two_nodes_eight_gpus_four_tasks():
 
 
 def test_cli_prints_the_pairs():
-    out = run_cli("--nodes", "3", "--gpus-per-node", "4", "--ntasks-per-node", "2", "--nlayers", "8", "--chunks", "8")
+    out = run_checker("--nodes", "3", "--gpus-per-node", "4", "--ntasks-per-node", "2", "--nlayers", "8", "--chunks",
+                      "8")
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+\d+\s", line)]
     assert [(r[0], r[3]) for r in rows] == [("0", "0,1"), ("1", "2,3"), ("2", "0,1"), ("3", "2,3"), ("4", "0,1"),
@@ -72,7 +76,7 @@ def test_cli_prints_the_pairs():
 
 
 def test_cli_json():
-    out = run_cli("--nodes", "2", "--gpus-per-node", "8", "--ntasks-per-node", "4", "--nlayers", "8", "--json")
+    out = run_checker("--nodes", "2", "--gpus-per-node", "8", "--ntasks-per-node", "4", "--nlayers", "8", "--json")
     data = json.loads(out.stdout)
     assert out.returncode == 0 and data["ok"] is True
     assert [t["first_part"] for t in data["tasks"]] == [0, 2, 4, 6] * 2
@@ -244,7 +248,7 @@ def test_good_sbatch_files_check_clean(path):
 @pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
 def test_bad_sbatch_files_are_caught(path):
     codes, exit_code = expectations(path)
-    out = run_cli(str(path), "--json")
+    out = run_checker(str(path), "--json")
     data = json.loads(out.stdout)
     found = {f["code"] for f in data["findings"]}
     assert codes <= found, f"{path.name}: expected {codes}, got {found}"

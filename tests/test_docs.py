@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import kit.releases  # noqa: E402  (the repository root, as the other tests import it)
 import kit.slurm  # noqa: E402
+import checker  # noqa: E402  (tests/checker.py: check_topology.py in this process)
 from launch import checker_source  # noqa: E402
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -224,7 +225,7 @@ def script_path(name: str) -> Path:
 
 def run_checker(cmd: Command, args: list[str]) -> None:
     args = [str(script_path(a).relative_to(ROOT)) if a.endswith((".slurm", ".sbatch")) else a for a in args]
-    r = run([PY, "check_topology.py", *args])
+    r = checker.run_checker(*args, cwd=ROOT)  # the verdict and what it prints: in this process (tests/checker.py)
     out = r.stdout + r.stderr
     assert r.returncode in (0, 1) and "Traceback" not in out, f"{cmd.where}: `{cmd.text}` exits {r.returncode}:\n{out}"
     assert out.startswith("check_topology"), f"{cmd.where}: `{cmd.text}` printed no report:\n{out}"
@@ -342,7 +343,7 @@ def check_sbatch(cmd: Command, ws: list[str]) -> None:
     if rest:
         script = script_path(rest[0])
         assert script.parent == ROOT / "slurm", f"{cmd.where}: `{cmd.text}`: not one of slurm/'s templates"
-        r = run([PY, "check_topology.py", str(script.relative_to(ROOT))])
+        r = checker.run_checker(str(script.relative_to(ROOT)), cwd=ROOT)
         assert r.returncode == 0, f"{cmd.where}: `{cmd.text}`: the checker refuses {rest[0]}:\n{r.stdout}{r.stderr}"
         covered(SUBMITTED.get(script.name, "tests/test_slurm.py::test_templates_pass_both_checks"))
 
