@@ -374,6 +374,21 @@ def test_exit_codes(tmp_path):
     assert half.returncode == 2 and "--nodes" in half.stderr
 
 
+@pytest.mark.parametrize("args", [
+    ["slurm/page_3nodes_4gpus.slurm"], ["tests/sbatch/bad/gpus_not_divisible.slurm", "--json"], ["--bogus"],
+    ["--nodes", "1", "--gpus-per-node", "4", "--ntasks-per-node", "1", "--nlayers", "2"], ["--help"],
+    ["--nodes", "2", "--gpus-per-node", "99999999999999999999999"], ["nope.slurm"]], ids=lambda a: " ".join(a)[:40])
+def test_the_checker_in_this_process_is_the_command_line(args):
+    """tests/checker.py's run_checker (the verdict tests' checker) gives what the real process gives: exit status,
+    stdout, stderr (argparse's usage and --help included)."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    real = subprocess.run([sys.executable, "check_topology.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    here = run_checker(*args, env=env, cwd=ROOT)
+    assert (here.returncode, here.stdout, here.stderr) == (real.returncode, real.stdout, real.stderr)
+    assert here.stdout or here.stderr
+
+
 def test_nothing_to_check_outside_slurm():
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
     out = run_cli(env=env)
