@@ -223,7 +223,7 @@ def test_plan_torchrun_without_slurm_counts():
 TEMPLATES = sorted((ROOT / "slurm").glob("*.slurm"))  # the shipped templates themselves, not copies
 GOOD = sorted((CORPUS / "good").glob("*.slurm")) + TEMPLATES
 BAD = sorted((CORPUS / "bad").glob("*.slurm"))
-SCRIPTS = sorted((CORPUS / "scripts").glob("*.slurm"))  # tests/test_scripts.py: exact findings
+SCRIPTS = sorted((CORPUS / "scripts").glob("*.slurm"))  # tests/test_jobscript.py: exact findings
 
 
 def expectations(path: Path) -> tuple[set[str], int]:
@@ -270,8 +270,8 @@ NOT_IN_CORPUS = {
     "array-partly-checked": "tests/test_jobs.py test_an_array_too_long_to_read_says_which_elements_it_checked",
     "node-range": "test_parse_errors", "nodes-missing": "test_placement_measured",
     "srun-gpu-option": "test_parse_errors",
-    "count-too-large": "tests/test_scripts.py test_huge_counts_in_a_script",
-    "script-too-large": "tests/test_scripts.py test_odd_files", "not-a-script": "tests/test_scripts.py test_odd_files",
+    "count-too-large": "tests/test_jobscript.py test_huge_counts_in_a_script",
+    "script-too-large": "tests/test_jobscript.py test_odd_files", "not-a-script": "tests/test_jobscript.py test_odd_files",
     "shell-unread": "a script nested past Python's recursion limit (not written by hand)",
     "too-complex": "tests/test_faults_checker.py", "cr-line-breaks": "tests/test_faults_checker.py",
     "gpu-bind-mask": "test_parse_errors", "gpu-bind-closest": "test_parse_errors",
@@ -283,7 +283,7 @@ NOT_IN_CORPUS = {
     "fp16-stage": "tests/test_options.py",
     "partition-unknown": "tests/test_site_live.py (--site live on the local cluster: the table knows no other site)",
     "accounting-unread": "tests/test_faults_round3.py (a fake Slurm whose sacctmgr is slower than the deadline)",
-    "torch-release": "the trainers and their --check-args (tests/test_args.py); a job script's module line gives "
+    "torch-release": "the trainers and their --check-args (tests/test_arguments.py); a job script's module line gives "
                      "engine-unavailable / torch-too-old",
     **{c: "test_stage_layout_findings" for c in ("pp-too-small", "pp-not-dividing-world", "pipeline-spans-nodes",
                                                  "chunks-below-stages", "chunks-not-rounds")},
