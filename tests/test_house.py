@@ -295,3 +295,25 @@ def test_the_architecture_names_the_modules_that_exist():
     picture = text.split("## The picture", 1)[1].split("##", 1)[0]
     shown = set(re.findall(r"\bkit(?:\.train)?\.[a-z_]+\b", picture))
     assert modules <= shown, f"docs/architecture.md's picture lacks {sorted(modules - shown)}"
+
+
+def test_every_module_says_where_its_tests_are():
+    """docs/tests.md's table: a newcomer changing a module finds its tests by name. Every module of the kit and every
+    entry point has a row; each file it names exists and one of them names the module; a tests/test_<name>.py is in
+    its module's row."""
+    text = (ROOT / "docs" / "tests.md").read_text().split("## Where a module's tests are", 1)[1].split("\n## ")[0]
+    table = {m: re.findall(r"`(test_\w+\.py)`", files)
+             for m, files in re.findall(r"^\| `([\w.]+)` \| (.*) \|$", text, re.M)}
+    modules = {name_of(p) for p in KIT if p.name != "__init__.py"} | set(ENTRY)
+    assert set(table) == modules, (f"docs/tests.md: no row for {sorted(modules - set(table))}, a row for what is no "
+                                   f"module {sorted(set(table) - modules)}")
+    for module, files in table.items():
+        stem = module[:-3] if module.endswith(".py") else module.rpartition(".")[2]
+        missing = [f for f in files if not (ROOT / "tests" / f).is_file()]
+        assert files and not missing, f"docs/tests.md: {module}'s tests {missing or 'none'}: no such file in tests/"
+        own = ROOT / "tests" / f"test_{stem}.py"
+        assert not own.is_file() or own.name in files, f"docs/tests.md: {module}'s row lacks {own.name}"
+        said = module[:-3] if module.endswith(".py") else module
+        named = [f for f in files if said in (ROOT / "tests" / f).read_text()
+                 or said.replace(".", "/") + ".py" in (ROOT / "tests" / f).read_text()]
+        assert named, f"docs/tests.md: none of {files} names {said}: is that where its tests are?"

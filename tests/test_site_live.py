@@ -1,5 +1,6 @@
 """The checker's site layer (issue 33): Slurm's own configuration read where the checker runs (kit/site_slurm.py,
---site live), the dated Jean Zay table where Slurm does not answer, and never a long wait on a slow controller.
+--site live), the dated Jean Zay table where Slurm does not answer (kit/site.py), and never a long wait on a slow
+controller.
 The verdicts against a real slurmdbd's: tests/test_site_slurmdbd.py."""
 from __future__ import annotations
 
