@@ -11,8 +11,6 @@ Each script in tests/sbatch/scripts/ says in its header comments what the checke
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -25,13 +23,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import check_topology as ct
 import kit.checks
 import kit.findings
 import kit.jobscript
 import kit.plan
 import kit.shell
 import kit.slurm
+from checker import run_checker
 from launch import ROOT
 
 SCRIPTS = sorted((Path(__file__).resolve().parent / "sbatch" / "scripts").glob("*.slurm"))
@@ -47,10 +45,8 @@ def header(path: Path) -> dict:
 
 def check(path: Path, *extra: str) -> tuple[int, dict]:
     """The checker's command line, in this process (the same main() the script runs)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = ct.main(["--json", str(path), *extra])
-    return code, json.loads(out.getvalue())
+    r = run_checker("--json", str(path), *extra)
+    return r.returncode, json.loads(r.stdout)
 
 
 def layout(report: dict) -> str:
