@@ -24,6 +24,7 @@ import kit.placement
 import kit.plan
 import kit.report
 import kit.slurm
+from checker import run_checker
 from launch import checker_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +32,8 @@ CORPUS = Path(__file__).resolve().parent / "sbatch"
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The checker as a real process: for the tests of its command line (exit codes, the environment it starts in);
+    the tests of a verdict call it in this process (tests/checker.py's run_checker, the same result)."""
     return subprocess.run([sys.executable, str(ROOT / "check_topology.py"), *args], capture_output=True, text=True,
                           timeout=60, env=env)
 
@@ -62,7 +65,8 @@ def test_page_two_nodes_eight_gpus_four_tasks():
 
 
 def test_cli_prints_the_pairs():
-    out = run_cli("--nodes", "3", "--gpus-per-node", "4", "--ntasks-per-node", "2", "--nlayers", "8", "--chunks", "8")
+    out = run_checker("--nodes", "3", "--gpus-per-node", "4", "--ntasks-per-node", "2", "--nlayers", "8", "--chunks",
+                      "8")
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+\d+\s", line)]
     assert [(r[0], r[3]) for r in rows] == [("0", "0,1"), ("1", "2,3"), ("2", "0,1"), ("3", "2,3"), ("4", "0,1"),
@@ -72,7 +76,7 @@ def test_cli_prints_the_pairs():
 
 
 def test_cli_json():
-    out = run_cli("--nodes", "2", "--gpus-per-node", "8", "--ntasks-per-node", "4", "--nlayers", "8", "--json")
+    out = run_checker("--nodes", "2", "--gpus-per-node", "8", "--ntasks-per-node", "4", "--nlayers", "8", "--json")
     data = json.loads(out.stdout)
     assert out.returncode == 0 and data["ok"] is True
     assert [t["first_part"] for t in data["tasks"]] == [0, 2, 4, 6] * 2
@@ -219,7 +223,7 @@ def test_plan_torchrun_without_slurm_counts():
 TEMPLATES = sorted((ROOT / "slurm").glob("*.slurm"))  # the shipped templates themselves, not copies
 GOOD = sorted((CORPUS / "good").glob("*.slurm")) + TEMPLATES
 BAD = sorted((CORPUS / "bad").glob("*.slurm"))
-SCRIPTS = sorted((CORPUS / "scripts").glob("*.slurm"))  # tests/test_scripts.py: exact findings
+SCRIPTS = sorted((CORPUS / "scripts").glob("*.slurm"))  # tests/test_jobscript.py: exact findings
 
 
 def expectations(path: Path) -> tuple[set[str], int]:
@@ -244,7 +248,7 @@ def test_good_sbatch_files_check_clean(path):
 @pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
 def test_bad_sbatch_files_are_caught(path):
     codes, exit_code = expectations(path)
-    out = run_cli(str(path), "--json")
+    out = run_checker(str(path), "--json")
     data = json.loads(out.stdout)
     found = {f["code"] for f in data["findings"]}
     assert codes <= found, f"{path.name}: expected {codes}, got {found}"
@@ -266,8 +270,8 @@ NOT_IN_CORPUS = {
     "array-partly-checked": "tests/test_jobs.py test_an_array_too_long_to_read_says_which_elements_it_checked",
     "node-range": "test_parse_errors", "nodes-missing": "test_placement_measured",
     "srun-gpu-option": "test_parse_errors",
-    "count-too-large": "tests/test_scripts.py test_huge_counts_in_a_script",
-    "script-too-large": "tests/test_scripts.py test_odd_files", "not-a-script": "tests/test_scripts.py test_odd_files",
+    "count-too-large": "tests/test_jobscript.py test_huge_counts_in_a_script",
+    "script-too-large": "tests/test_jobscript.py test_odd_files", "not-a-script": "tests/test_jobscript.py test_odd_files",
     "shell-unread": "a script nested past Python's recursion limit (not written by hand)",
     "too-complex": "tests/test_faults_checker.py", "cr-line-breaks": "tests/test_faults_checker.py",
     "gpu-bind-mask": "test_parse_errors", "gpu-bind-closest": "test_parse_errors",
@@ -279,7 +283,7 @@ NOT_IN_CORPUS = {
     "fp16-stage": "tests/test_options.py",
     "partition-unknown": "tests/test_site_live.py (--site live on the local cluster: the table knows no other site)",
     "accounting-unread": "tests/test_faults_round3.py (a fake Slurm whose sacctmgr is slower than the deadline)",
-    "torch-release": "the trainers and their --check-args (tests/test_args.py); a job script's module line gives "
+    "torch-release": "the trainers and their --check-args (tests/test_arguments.py); a job script's module line gives "
                      "engine-unavailable / torch-too-old",
     **{c: "test_stage_layout_findings" for c in ("pp-too-small", "pp-not-dividing-world", "pipeline-spans-nodes",
                                                  "chunks-below-stages", "chunks-not-rounds")},
@@ -369,6 +373,21 @@ def test_exit_codes(tmp_path):
     assert both.returncode == 2 and "not both" in both.stderr
     half = run_cli("--ntasks-per-node", "2")
     assert half.returncode == 2 and "--nodes" in half.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["slurm/page_3nodes_4gpus.slurm"], ["tests/sbatch/bad/gpus_not_divisible.slurm", "--json"], ["--bogus"],
+    ["--nodes", "1", "--gpus-per-node", "4", "--ntasks-per-node", "1", "--nlayers", "2"], ["--help"],
+    ["--nodes", "2", "--gpus-per-node", "99999999999999999999999"], ["nope.slurm"]], ids=lambda a: " ".join(a)[:40])
+def test_the_checker_in_this_process_is_the_command_line(args):
+    """tests/checker.py's run_checker (the verdict tests' checker) gives what the real process gives: exit status,
+    stdout, stderr (argparse's usage and --help included)."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    real = subprocess.run([sys.executable, "check_topology.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    here = run_checker(*args, env=env, cwd=ROOT)
+    assert (here.returncode, here.stdout, here.stderr) == (real.returncode, real.stdout, real.stderr)
+    assert here.stdout or here.stderr
 
 
 def test_nothing_to_check_outside_slurm():

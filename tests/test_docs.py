@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import kit.releases  # noqa: E402  (the repository root, as the other tests import it)
 import kit.slurm  # noqa: E402
+import checker  # noqa: E402  (tests/checker.py: check_topology.py in this process)
 from launch import checker_source  # noqa: E402
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -174,15 +175,16 @@ COVERED = [
     (r"^srun\b.*\bpython check_topology\.py\b", "tests/test_launch_slurm.py::test_the_step_check_is_the_file_check"),
     (r"^python check_topology\.py$", "tests/test_launch_slurm.py::test_the_step_check_is_the_file_check"),
     (r"^srun\b.*\btorchrun\b", "tests/test_launch_slurm.py::test_srun_torchrun_workers_are_the_checkers_plan"),
-    (r"^scancel\b", "tests/test_slurm.py::test_scancel_then_a_new_submission_resumes"),
-    (r"^scontrol requeue\b", "tests/test_slurm.py::test_time_limit_signal_requeues_and_resumes"),
-    (r"^slurm/submit_sweep\.sh\b", "tests/test_slurm.py::test_sweep_submit_is_one_job_for_every_count"),
-    (r"^slurm/sweep_steps\.sh\b", "tests/test_slurm.py::test_sweep_runs_every_count_as_a_step_of_one_job"),
-    (r"^slurm/sweep_local\.sh\b", "tests/test_report.py::test_local_sweep_end_to_end"),
-    (r"^python tests/local_slurm\.py (start|stop)\b", "tests/test_slurm.py::test_cluster_stops_without_leftovers"),
+    (r"^scancel\b", "tests/test_templates_slurm.py::test_scancel_then_a_new_submission_resumes"),
+    (r"^scontrol requeue\b", "tests/test_templates_slurm.py::test_time_limit_signal_requeues_and_resumes"),
+    (r"^slurm/submit_sweep\.sh\b", "tests/test_templates_slurm.py::test_sweep_submit_is_one_job_for_every_count"),
+    (r"^slurm/sweep_steps\.sh\b", "tests/test_templates_slurm.py::test_sweep_runs_every_count_as_a_step_of_one_job"),
+    (r"^slurm/sweep_local\.sh\b", "tests/test_sweep_report.py::test_local_sweep_end_to_end"),
+    (r"^python tests/local_slurm\.py (start|stop)\b",
+     "tests/test_templates_slurm.py::test_cluster_stops_without_leftovers"),
     (r"^srun\b.*\bpython benchmarks/speed_profile\.py\b",
      "tests/test_speed.py::test_the_profile_holds_what_the_model_reads"),
-    (r"^MODE=predict sbatch\b", "tests/test_slurm.py::test_sweep_predict_mode_measures_the_predicted_best"),
+    (r"^MODE=predict sbatch\b", "tests/test_templates_slurm.py::test_sweep_predict_mode_measures_the_predicted_best"),
 ]
 # A placeholder in a command, and what the test runs in its place.
 PLACEHOLDERS = {"job.slurm": "slurm/page_3nodes_4gpus.slurm"}
@@ -224,7 +226,7 @@ def script_path(name: str) -> Path:
 
 def run_checker(cmd: Command, args: list[str]) -> None:
     args = [str(script_path(a).relative_to(ROOT)) if a.endswith((".slurm", ".sbatch")) else a for a in args]
-    r = run([PY, "check_topology.py", *args])
+    r = checker.run_checker(*args, cwd=ROOT)  # the verdict and what it prints: in this process (tests/checker.py)
     out = r.stdout + r.stderr
     assert r.returncode in (0, 1) and "Traceback" not in out, f"{cmd.where}: `{cmd.text}` exits {r.returncode}:\n{out}"
     assert out.startswith("check_topology"), f"{cmd.where}: `{cmd.text}` printed no report:\n{out}"
@@ -328,10 +330,10 @@ def split_slurm(ws: list[str], long: dict[str, str], short: dict[str, str]) -> t
 
 
 # The templates a Slurm test submits for real on the local cluster; every template in slurm/ also goes through
-# `sbatch --test-only` there (tests/test_slurm.py::test_templates_pass_both_checks).
-SUBMITTED = {"page_3nodes_4gpus.slurm": "tests/test_slurm.py::test_page_three_node_template_runs",
+# `sbatch --test-only` there (tests/test_templates_slurm.py::test_templates_pass_both_checks).
+SUBMITTED = {"page_3nodes_4gpus.slurm": "tests/test_templates_slurm.py::test_page_three_node_template_runs",
              "first_run.slurm": "tests/test_first_run.py::test_first_run_on_one_node",
-             "sweep_4gpus.slurm": "tests/test_slurm.py::test_sweep_runs_every_count_as_a_step_of_one_job"}
+             "sweep_4gpus.slurm": "tests/test_templates_slurm.py::test_sweep_runs_every_count_as_a_step_of_one_job"}
 
 
 def check_sbatch(cmd: Command, ws: list[str]) -> None:
@@ -342,9 +344,9 @@ def check_sbatch(cmd: Command, ws: list[str]) -> None:
     if rest:
         script = script_path(rest[0])
         assert script.parent == ROOT / "slurm", f"{cmd.where}: `{cmd.text}`: not one of slurm/'s templates"
-        r = run([PY, "check_topology.py", str(script.relative_to(ROOT))])
+        r = checker.run_checker(str(script.relative_to(ROOT)), cwd=ROOT)
         assert r.returncode == 0, f"{cmd.where}: `{cmd.text}`: the checker refuses {rest[0]}:\n{r.stdout}{r.stderr}"
-        covered(SUBMITTED.get(script.name, "tests/test_slurm.py::test_templates_pass_both_checks"))
+        covered(SUBMITTED.get(script.name, "tests/test_templates_slurm.py::test_templates_pass_both_checks"))
 
 
 def check_srun(cmd: Command, ws: list[str]) -> None:

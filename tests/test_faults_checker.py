@@ -25,6 +25,7 @@ import check_topology as ct
 import kit.jobscript
 import kit.trainer_checks
 import idr_torch
+from checker import run_checker
 from launch import ROOT
 
 CI = os.environ.get("CI") == "true"
@@ -277,13 +278,13 @@ def test_a_foreign_profile_says_what_differs(tmp_path):
     """Another model (the command line's value), another GPU (the plan's nodes): one line naming it."""
     path = tmp_path / "p.json"
     path.write_text(json.dumps(edited(lambda p: p["key"].update(gpu="NVIDIA A100-SXM4-80GB"))))
-    out = limited(["--advise", "--nodes", "1", "-C", "v100-32g", "--global-batch", "32", "--profile", str(path)])
+    out = run_checker("--advise", "--nodes", "1", "-C", "v100-32g", "--global-batch", "32", "--profile", str(path))
     assert out.returncode == 2 and "taken on NVIDIA A100-SXM4-80GB GPUs and the plan is for 4-GPU V100" in out.stderr
-    out = limited([*PLAN, "--profile", str(path), "--d-model", "128"])
+    out = run_checker(*PLAN, "--profile", str(path), "--d-model", "128")  # the verdicts: in this process
     assert out.returncode == 2 and "taken with --d-model 64, the plan has 128" in out.stderr
     good = tmp_path / "good.json"
     good.write_text(json.dumps(good_profile()))
-    out = limited([*PLAN, "--profile", str(good)])
+    out = run_checker(*PLAN, "--profile", str(good))
     assert out.returncode == 0 and "fastest first" in out.stdout, out.stderr
 
 

@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from checker import run_main
 from launch import ROOT, clean_env, mounted_tmpfs
 
+sys.path.insert(0, str(ROOT / "slurm"))
+import first_run_report  # noqa: E402
+import report as results_report  # noqa: E402
+
 REPORT, FIRST_RUN = ROOT / "slurm" / "report.py", ROOT / "slurm" / "first_run_report.py"
+MAINS = {"report.py": results_report.main, "first_run_report.py": first_run_report.main}
 
 
 def record(tasks: int, nb_part: int, sps: object, /, **changed: object) -> dict:
@@ -32,8 +38,9 @@ def line(r: dict) -> bytes:
 
 
 def run(script: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120,
-                          env=clean_env(), cwd=cwd)
+    """The reader's command line in this process (tests/checker.py's run_main: the same result as a process, without
+    a Python start-up and matplotlib's import each time)."""
+    return run_main(script, MAINS[script.name], *args, env=clean_env(), cwd=cwd)
 
 
 def first_run_folder(tmp_path: Path, runs: bytes) -> Path:

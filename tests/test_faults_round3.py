@@ -25,6 +25,7 @@ import kit.allocation  # noqa: E402
 import kit.jobscript  # noqa: E402
 import kit.shell  # noqa: E402
 from kit import bounded, site_slurm  # noqa: E402
+from checker import run_checker  # noqa: E402
 from launch import ROOT, clean_env, copy_kit  # noqa: E402
 from test_faults_checker import MIB, SECONDS, codes, limited, measured  # noqa: E402
 
@@ -40,10 +41,8 @@ def checked(tmp_path: Path, text: str, *flags: str) -> tuple[int, dict, str]:
     """check_topology.main on a script, in this process: (exit status, JSON report, stderr)."""
     path = tmp_path / "job.slurm"
     path.write_text(text)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = ct.main(["--json", *flags, str(path)])
-    return code, json.loads(out.getvalue()) if out.getvalue().strip() else {}, err.getvalue()
+    r = run_checker("--json", *flags, str(path))
+    return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}, r.stderr
 
 
 # ---- class 1: the shell reader's budget is a cost, not a count of steps ----------------------------------------------

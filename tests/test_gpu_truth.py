@@ -149,7 +149,7 @@ def test_the_peak_of_each_gpu_for_its_precision(name, precision, tf32, peak):
 
 
 def test_tf32_is_an_option_the_checker_knows(tmp_path):
-    from test_args import check_line, codes
+    from test_arguments import check_line, codes
     status, _, found = check_line(tmp_path, "srun python bench_ddp_transformer.py --tf32 --nlayers 8 --d-model 512")
     assert "tf32-on-v100" in codes(found) and "bad-argument" not in codes(found), found
     status, _, found = check_line(tmp_path, "srun python bench_ddp_transformer.py --nlayers 8 --d-model 512")

@@ -2,7 +2,8 @@
 kit's modules it may import (held here to its real imports, those under TYPE_CHECKING too), no import cycle, no arrow
 back up (kit/ never imports kit/train/, nor the kit the entry points), nothing imports the page's script but its own
 tests, idr_torch alone reads the launcher's variables, no module over 1,000 lines and no function over 60, and the
-checker's modules free of torch. Read off the sources with ast: nothing is imported."""
+checker's modules free of torch, and docs/architecture.md true to the import graph (its picture names every module,
+its "may import" lists hold each module's imports). Read off the sources with ast: nothing is imported."""
 from __future__ import annotations
 
 import ast
@@ -249,3 +250,70 @@ def test_the_lanes_collect_every_file_that_holds_their_tests():
                                timeout=300)
     files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
     assert files and files == set(named.stdout.split()), (sorted(files), named.stdout)
+
+
+# ---- docs/architecture.md true to the import graph ---------------------------------------------------------------------
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def may_import_lists() -> dict[str, list[str]]:
+    """docs/architecture.md's "may import" lines: per folder (kit, kit.train), its modules lowest first."""
+    text = " ".join(ARCHITECTURE.read_text().split())
+    found = {}
+    for folder, names in re.findall(r"- may import \((kit/(?:train/)?), lowest first[^)]*\): ([\w, ]+)\.", text):
+        package = folder.strip("/").replace("/", ".")
+        found[package] = [f"{package}.{n.strip()}" for n in names.split(",")]
+    return found
+
+
+def test_the_architecture_lists_every_module_lowest_first():
+    """Each folder's list names each of its modules once, and each module imports, of its own folder, only those
+    listed before it (a kit/train/ module any of kit/: kit/ never imports kit/train/, held above)."""
+    lists = may_import_lists()
+    assert set(lists) == {"kit", "kit.train"}, f"docs/architecture.md: no 'may import' line for {lists.keys()}"
+    graph = {name_of(p): kit_imports(p) for p in KIT if p.name != "__init__.py"}
+    for package, order in lists.items():
+        mine = sorted(m for m in graph if m.rpartition(".")[0] == package)
+        assert sorted(order) == mine and len(set(order)) == len(order), (
+            f"docs/architecture.md's {package} list: missing {sorted(set(mine) - set(order))}, not modules "
+            f"{sorted(set(order) - set(mine))}, twice {sorted({m for m in order if order.count(m) > 1})}")
+        for i, module in enumerate(order):
+            later = sorted(m for m in graph[module] if m in order[i + 1:] or m == package)
+            assert not later, (f"{module} imports {later}, listed after it in docs/architecture.md's {package} "
+                               "list: move them before it (or the import down)")
+
+
+def test_the_architecture_names_the_modules_that_exist():
+    """The picture and the 'where a change goes' table name every module of the kit, and no module that is gone
+    (a stale name after a move)."""
+    text = ARCHITECTURE.read_text()
+    modules = {name_of(p) for p in KIT if p.name != "__init__.py"}
+    named = set(re.findall(r"\bkit(?:\.train)?\.[a-z_]+\b", text))
+    named |= {p.replace("/", ".")[:-3] for p in re.findall(r"\bkit/(?:train/)?[a-z_]+\.py\b", text)}
+    named -= {"kit.train"}
+    assert not named - modules, f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"
+    picture = text.split("## The picture", 1)[1].split("##", 1)[0]
+    shown = set(re.findall(r"\bkit(?:\.train)?\.[a-z_]+\b", picture))
+    assert modules <= shown, f"docs/architecture.md's picture lacks {sorted(modules - shown)}"
+
+
+def test_every_module_says_where_its_tests_are():
+    """docs/tests.md's table: a newcomer changing a module finds its tests by name. Every module of the kit and every
+    entry point has a row; each file it names exists and one of them names the module; a tests/test_<name>.py is in
+    its module's row."""
+    text = (ROOT / "docs" / "tests.md").read_text().split("## Where a module's tests are", 1)[1].split("\n## ")[0]
+    table = {m: re.findall(r"`(test_\w+\.py)`", files)
+             for m, files in re.findall(r"^\| `([\w.]+)` \| (.*) \|$", text, re.M)}
+    modules = {name_of(p) for p in KIT if p.name != "__init__.py"} | set(ENTRY)
+    assert set(table) == modules, (f"docs/tests.md: no row for {sorted(modules - set(table))}, a row for what is no "
+                                   f"module {sorted(set(table) - modules)}")
+    for module, files in table.items():
+        stem = module[:-3] if module.endswith(".py") else module.rpartition(".")[2]
+        missing = [f for f in files if not (ROOT / "tests" / f).is_file()]
+        assert files and not missing, f"docs/tests.md: {module}'s tests {missing or 'none'}: no such file in tests/"
+        own = ROOT / "tests" / f"test_{stem}.py"
+        assert not own.is_file() or own.name in files, f"docs/tests.md: {module}'s row lacks {own.name}"
+        said = module[:-3] if module.endswith(".py") else module
+        named = [f for f in files if said in (ROOT / "tests" / f).read_text()
+                 or said.replace(".", "/") + ".py" in (ROOT / "tests" / f).read_text()]
+        assert named, f"docs/tests.md: none of {files} names {said}: is that where its tests are?"

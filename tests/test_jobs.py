@@ -3,8 +3,6 @@ did with it (measured by tests/test_jobs_slurm.py), the crash it once had, and t
 traceback: an unexpected exception in a check is one finding (exit 2) and the other checks still run."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import time
@@ -13,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import check_topology as ct
 import kit.allocation
 import kit.arguments
 import kit.checks
@@ -21,6 +18,7 @@ import kit.jobscript
 import kit.slurm
 import kit.steps
 from kit.findings import CATCHES
+from checker import run_checker
 from job_cases import CASES, NAME, verdict_problems
 
 CI = os.environ.get("CI") == "true"
@@ -30,10 +28,8 @@ def check(folder, text: str, *extra: str) -> tuple[int, dict]:
     """The checker's command line on a script, in this process: (exit status, the --json report)."""
     path = folder / NAME
     path.write_text(text)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = ct.main(["--json", "--site", "jean-zay", str(path), *extra])
-    return code, json.loads(out.getvalue())
+    r = run_checker("--json", "--site", "jean-zay", str(path), *extra)
+    return r.returncode, json.loads(r.stdout)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -18,7 +18,7 @@ import kit.shell
 from launch import ROOT, clean_env, copy_kit
 from local_slurm import free_port
 from test_placement_slurm import checker_json, submit
-from test_scripts import SCRIPTS, header
+from test_jobscript import SCRIPTS, header
 
 pytestmark = pytest.mark.slurm
 VENV_BIN = Path(sys.executable).parent

@@ -5,9 +5,7 @@ The harness is benchmarks/memory_grid.py (its --quick grid here; the whole grid 
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import re
 import sys
@@ -21,7 +19,6 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import check_topology as ct  # noqa: E402
 import kit.allocation  # noqa: E402
 import kit.arguments  # noqa: E402
 import kit.checks  # noqa: E402
@@ -30,6 +27,7 @@ import kit.memory  # noqa: E402
 import kit.plan  # noqa: E402
 import kit.site  # noqa: E402
 import kit.slurm  # noqa: E402
+from checker import run_checker  # noqa: E402
 from launch import run_tasks, srun_envs  # noqa: E402
 
 # MemTracker (torch.distributed._tools.mem_tracker) arrived in torch 2.5: the 2.3.1 and 2.4.1 lanes lack it, 2.6.0 on
@@ -210,10 +208,8 @@ STAGE_TEMPLATE = ROOT / "slurm" / "stage_2nodes_4gpus.slurm"
 
 
 def plan(*extra: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = ct.main(list(extra))
-    return code, out.getvalue()
+    r = run_checker(*extra)
+    return r.returncode, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("constraint,gib", [("v100-16g", 16160 / 1024), ("v100-32g", 32510 / 1024),

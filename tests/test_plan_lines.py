@@ -2,14 +2,12 @@
 under Slurm's GPU binding, and the trainer line's own values in the plan, also when the trainer refuses the line."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
 import pytest
 
-import check_topology as ct
+from checker import run_checker
 
 HEAD = ("#!/bin/bash\n#SBATCH -A abc@v100 -C v100-32g -N 1 --ntasks-per-node=4 {gpus} -c 10 --hint=nomultithread "
         "-t 1:00:00\nmodule load pytorch-gpu/py3/2.3.1\n")
@@ -19,12 +17,7 @@ def check(tmp_path: Path, text: str) -> tuple[dict, str]:
     """The checker on a script: its --json report and its text report."""
     path = tmp_path / "job.slurm"
     path.write_text(text)
-    reports = []
-    for extra in (["--json"], []):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            ct.main([*extra, str(path)])
-        reports.append(out.getvalue())
+    reports = [run_checker(*extra, str(path)).stdout for extra in (["--json"], [])]
     return json.loads(reports[0]), reports[1]
 
 

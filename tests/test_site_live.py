@@ -1,5 +1,6 @@
 """The checker's site layer (issue 33): Slurm's own configuration read where the checker runs (kit/site_slurm.py,
---site live), the dated Jean Zay table where Slurm does not answer, and never a long wait on a slow controller.
+--site live), the dated Jean Zay table where Slurm does not answer (kit/site.py), and never a long wait on a slow
+controller.
 The verdicts against a real slurmdbd's: tests/test_site_slurmdbd.py."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from checker import run_checker
 from kit import site_slurm
 from launch import ROOT, clean_env
 
@@ -24,8 +26,7 @@ def checker(tmp_path: Path, options: str, *flags: str, env: dict | None = None) 
     path = tmp_path / "job.slurm"
     path.write_text(JOB.format(options=options))
     env = env or clean_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, str(ROOT / "check_topology.py"), "--json", *flags, str(path)], env=env,
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    r = run_checker("--json", *flags, str(path), env=env, cwd=tmp_path)  # in this process: tests/checker.py
     return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}, r.stderr
 
 

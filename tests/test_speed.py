@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from checker import run_checker
 from launch import ROOT, TORCH, bench, clean_env
 
 import kit.advise
@@ -161,8 +162,7 @@ def test_a_precision_the_profile_lacks_is_named():
 
 
 def checker(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "check_topology.py"), *args], capture_output=True, text=True,
-                          env=clean_env(), timeout=60)
+    return run_checker(*args, env=clean_env())  # in this process: tests/checker.py
 
 
 def test_advise_ranks_by_the_profile_and_its_commands_are_what_the_trainers_read(tmp_path):

@@ -22,7 +22,7 @@ STAGE = "bench_stage.py"
 
 
 def runs(schedule: str) -> str:
-    """Skip where this release refuses the schedule on the CPU (tests/test_matrix.py checks that refusal)."""
+    """Skip where this release refuses the schedule on the CPU (tests/test_releases.py checks that refusal)."""
     refusals = kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(layout="stage", schedule=schedule),
                                            cpu=True)
     if refusals:

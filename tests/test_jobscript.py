@@ -1,5 +1,6 @@
-"""Job scripts as users write them, the kit's and others' (tests/sbatch/scripts/): what the checker finds in each,
-how it reads the shell, and what the real Slurm and launchers do with the same lines.
+"""kit/jobscript.py: job scripts as users write them, the kit's and others' (tests/sbatch/scripts/): what the checker
+finds in each, the launch lines it reads, huge numbers and odd files (how it runs the shell: tests/test_shell.py; what
+the real Slurm and launchers do with the same lines: tests/test_launch_slurm.py).
 
 Each script in tests/sbatch/scripts/ says in its header comments what the checker must find, exactly:
     # expect: code code ...   (or none)        the finding codes, no more, no fewer
@@ -10,13 +11,10 @@ Each script in tests/sbatch/scripts/ says in its header comments what the checke
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
 import resource
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +23,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import check_topology as ct
 import kit.checks
 import kit.findings
 import kit.jobscript
 import kit.plan
 import kit.shell
 import kit.slurm
+from checker import run_checker
 from launch import ROOT
 
 SCRIPTS = sorted((Path(__file__).resolve().parent / "sbatch" / "scripts").glob("*.slurm"))
@@ -47,10 +45,8 @@ def header(path: Path) -> dict:
 
 def check(path: Path, *extra: str) -> tuple[int, dict]:
     """The checker's command line, in this process (the same main() the script runs)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = ct.main(["--json", str(path), *extra])
-    return code, json.loads(out.getvalue())
+    r = run_checker("--json", str(path), *extra)
+    return r.returncode, json.loads(r.stdout)
 
 
 def layout(report: dict) -> str:
@@ -88,59 +84,6 @@ def test_each_script_gets_exactly_its_findings(path):
         assert not any(n.startswith("memory estimate") for n in report["notes"])
     for f in report["findings"]:  # every finding names a number or a place, and says what to do
         assert re.search(r"\d", f["message"]), f
-
-
-# ---- the shell, read as bash reads it --------------------------------------------------------------------------------
-def commands(text: str, variables: dict | None = None) -> list[list[str]]:
-    ran: list = []
-    shell = kit.shell.ShellRun({k: kit.shell.ShellRun.known(v) for k, v in (variables or {}).items()}, ran.append)
-    shell.run_script(text)
-    return [r.fields for r in ran]
-
-
-@pytest.mark.parametrize("text,expected", [
-    ('A=1\nB="x $A"\necho $B "$B"', [["echo", "x", "1", "x 1"]]),  # unquoted values split, quoted ones don't
-    ('ARGS="--chunks $CH"\nrun $ARGS', [["run", "--chunks", "$CH"]]),  # an unknown expansion stays whole
-    ('X=(a b "c d")\necho ${X[1]} "${X[@]}" ${#X[@]} "${X[*]}"', [["echo", "b", "a", "b", "c d", "3", "a b c d"]]),
-    ("N=${N:-4}\necho $((N * 2)) ${M:-$N}", [["echo", "8", "4"]]),  # a default when the script never sets it
-    ('if [ -z "$Y" ]; then Y=1; fi\necho $Y', [["[", "-z", "$Y", "]"], ["echo", "$Y"]]),  # set in one branch only
-    ("if true; then Y=1; else Y=1; fi\necho $Y", [["true"], ["echo", "1"]]),  # every branch agrees
-    ("for b in 32 64; do run $b; done", [["run", "$b"]]),  # a loop's variable: any of its words
-    ("cat > j.sh <<EOF\n#SBATCH -N 2\nsrun x\nEOF\nsbatch j.sh", [["cat"], ["sbatch", "j.sh"]]),  # a heredoc's body
-    ("f() { srun python \"$@\"; }\nf t.py --a 1", [["srun", "python", "t.py", "--a", "1"]]),  # function call
-    ("module purge; module load a b && ml c", [["module", "purge"], ["module", "load", "a", "b"], ["ml", "c"]]),
-    ("srun -c $SLURM_CPUS_PER_TASK x 2>&1 | tee log", [["srun", "-c", "10", "x"], ["tee", "log"]]),
-    ("exit 0\necho never", []),
-    ("echo `date` $(hostname) \\\n  done", [["echo", "$(date)", "$(hostname)", "done"]]),
-    ("case $1 in\n a) X=1 ;;\n *) X=1 ;;\nesac\necho $X", [["echo", "1"]]),
-    ("(cd sub && X=2)\necho ${X:-none}", [["cd", "sub"], ["echo", "none"]]),  # a subshell keeps its variables
-])
-def test_the_shell_as_bash_runs_it(text, expected):
-    assert commands(text, {"SLURM_CPUS_PER_TASK": "10"}) == expected
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
-@settings(max_examples=40 if os.environ.get("CI") == "true" else 150, deadline=None, derandomize=True)
-@given(st.lists(st.sampled_from(["a", "b c", "x y  z", "", "--chunks=8", "*", "$((1+2))", "${N:-7}", "p q"]),
-                min_size=1, max_size=4), st.booleans())
-def test_expansion_matches_bash(values, quoted):
-    """Random assignments and expansions: the fields equal what bash gives a function (with `set -f`: file-name
-    globbing is the one expansion the reader leaves out, a launch line's program never depends on it)."""
-    lines = "\n".join(f"V{i}={json.dumps(v)}" for i, v in enumerate(values))
-    use = " ".join((f'"$V{i}"' if quoted else f"$V{i}") for i in range(len(values)))
-    bash = subprocess.run(["bash", "-c", "set -f\n" + lines + "\nf() { printf '%s\\n' \"$#\" \"$@\"; }\nf " + use],
-                          capture_output=True, text=True, env={"PATH": os.environ["PATH"]}).stdout.split("\n")[:-1]
-    mine = commands(lines + "\nf " + use)[0][1:]
-    assert [str(len(mine))] + mine == bash, lines + "\n" + use
-
-
-@settings(max_examples=60 if os.environ.get("CI") == "true" else 300, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from(list("ab $'\"`(){}[];&|<>\\\n#=-*") + ["EOF", "<<", "$(", "${", "if ", "fi",
-                                 "do ", "done", "f() ", "case ", " in ", ";;", "esac"]), max_size=80))
-def test_any_text_is_read_without_crashing(pieces):
-    ran: list = []
-    kit.shell.ShellRun({}, ran.append).run_script("".join(pieces))  # never raises, never loops
 
 
 # ---- what the launch line is ------------------------------------------------------------------------------------------
