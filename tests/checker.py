@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def _reset_module_state() -> None:
     """What a module keeps between two calls of main() in one process that a new process would not have:
     kit.site_slurm._SILENT (a Slurm that did not answer, remembered per user and SLURM_CONF: a later test's cluster
-    would not be asked), kit.own_split.plan_model's cache (keyed by the --model spec, a file a test may rewrite) and
+    would not be asked), kit.own_split.described's cache (keyed by the --model spec, a file a test may rewrite) and
     idr_torch.current()'s Launch and its once-a-process note (kit.trainer_checks asks it where no environment is
     given). The other caches of the checker's path (kit.arguments._reading_parser, kit.memory's) are pure functions
     of their arguments."""
     site_slurm._SILENT.clear()
-    own_split.plan_model.cache_clear()
+    own_split.described.cache_clear()
     idr_torch._current, idr_torch._current_key, idr_torch._said_plain = None, None, False
 
 
