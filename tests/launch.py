@@ -116,3 +116,17 @@ def mounted_tmpfs(where: Path, options: str):
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def stage_schedule_runs(schedule: str) -> str:
+    """The schedule, or a skip where this torch release refuses it on the CPU (kit.releases: its first release,
+    gloo's; tests/test_releases.py checks that refusal)."""
+    import torch
+
+    import kit.arguments
+    import kit.releases
+    refusals = kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(layout="stage", schedule=schedule),
+                                           cpu=True)
+    if refusals:
+        pytest.skip(refusals[0])
+    return schedule

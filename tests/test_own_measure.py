@@ -21,6 +21,7 @@ import kit.measure_child
 import kit.model
 import kit.own_model as own
 from launch import ROOT, clean_env
+from models_families import LSTMBody
 
 HOSTILE = textwrap.dedent("""
     import os, sys, time
@@ -245,15 +246,6 @@ def test_the_real_fallback_builds_that_one_layer_only(models):
 
 
 # ---- FLOPs the counter misses -------------------------------------------------------------------------------------
-class LSTMBody(nn.Module):
-    def __init__(self, d: int, h: int, n: int) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(d, h, num_layers=n, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lstm(x)[0]
-
-
 class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = x.view(x.shape[0], x.shape[1], 4, -1).transpose(1, 2)

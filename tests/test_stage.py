@@ -16,18 +16,12 @@ import kit.arguments
 import kit.plan
 import kit.releases
 from launch import ROOT, bench, run_tasks, srun_envs
+from launch import stage_schedule_runs as runs
 
 pytestmark = pytest.mark.multiproc
 STAGE = "bench_stage.py"
 
 
-def runs(schedule: str) -> str:
-    """Skip where this release refuses the schedule on the CPU (tests/test_releases.py checks that refusal)."""
-    refusals = kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(layout="stage", schedule=schedule),
-                                           cpu=True)
-    if refusals:
-        pytest.skip(refusals[0])
-    return schedule
 
 
 # the learning test's schedule: 1f1b where this release runs it on the CPU, else gpipe

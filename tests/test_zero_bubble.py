@@ -17,18 +17,12 @@ import kit.releases
 import kit.schedules
 import kit.trainer_checks
 from launch import ROOT, bench, run_tasks, srun_envs
+from launch import stage_schedule_runs as runs
 
 ZB = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 STAGE = "bench_stage.py"
 
 
-def runs(schedule: str) -> str:
-    """Skip where this release refuses the schedule on the CPU (kit.releases: its first release, gloo's)."""
-    refusals = kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(layout="stage", schedule=schedule),
-                                           cpu=True)
-    if refusals:
-        pytest.skip(refusals[0])
-    return schedule
 
 
 def torchs_order(name: str, pp: int, virtual: int, chunks: int) -> dict[int, list[tuple]]:
