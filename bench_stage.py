@@ -345,13 +345,20 @@ def contiguous_io(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _letter(action) -> str:
+    """An action's kind as torch prints it (F, I, W, B, ...): _ComputationType's value is the letter from 2.9 and a
+    number before it (2.8's schedules.py), whose str() is the letter."""
+    kind = action.computation_type
+    return kind.value if isinstance(kind.value, str) else str(kind)
+
+
 def v_forward_only(schedule):
     """A V schedule (torch 2.13's _PipelineScheduleRuntime) lowered again with its forwards alone: each task's
     forwards in the schedule's own order, their sends and receives added by the lowering of
     _prepare_schedule_with_comms (_add_send_recv, private; its validation wants every backward, so not it)."""
     from torch.distributed.pipelining.schedules import _add_send_recv
-    order = {r: [a for op in ops if op is not None for a in (op.sub_actions or (op,))  # OVERLAP_F_B: its F, B
-                 if a.computation_type.value == "F"] for r, ops in schedule.pipeline_order.items()}
+    order = {r: [a for op in ops if op is not None for a in (getattr(op, "sub_actions", None) or (op,))  # OVERLAP_F_B (2.9+): its F, B
+                 if _letter(a) == "F"] for r, ops in schedule.pipeline_order.items()}
     schedule.pipeline_order = order
     schedule.pipeline_order_with_comms = _add_send_recv(order, lambda s: schedule.stage_index_to_group_rank[s],
                                                         schedule._num_stages)

@@ -40,8 +40,8 @@ def schedule_features(name: str, cpu: bool) -> list[dict]:
                         fix=f"use --schedule 1f1b, or module load pytorch-gpu/py3/{first}.0 or later"))
     if cpu and row.gloo_first:
         out.append(dict(flag=f"--schedule {name} without a GPU (gloo)", first=row.gloo_first, last=None,
-                        why=f"before {row.gloo_first[0]}.{row.gloo_first[1]} it waits forever on gloo, "
-                            "pytorch/pytorch#132644",
+                        why=row.gloo_why or f"before {row.gloo_first[0]}.{row.gloo_first[1]} it waits forever on "
+                            "gloo, pytorch/pytorch#132644",
                         fix="use --schedule gpipe on the CPU (GPUs with nccl are not affected)"))
     return out
 

@@ -38,8 +38,10 @@ def torchs_order(name: str, pp: int, virtual: int, chunks: int) -> dict[int, lis
     out = {}
     for rank in range(pp):
         ops = [a for op in cls._calculate_single_rank_operations(self, rank) if op is not None
-               for a in (op.sub_actions or (op,))]
-        out[rank] = [(a.computation_type.value, a.microbatch_index, a.stage_index) for a in ops]
+               for a in (getattr(op, "sub_actions", None) or (op,))]
+        kinds = [a.computation_type for a in ops]  # the letter: the value from 2.9, str() of a number before
+        out[rank] = [(k.value if isinstance(k.value, str) else str(k), a.microbatch_index, a.stage_index)
+                     for k, a in zip(kinds, ops)]
     return out
 
 
