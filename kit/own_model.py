@@ -54,7 +54,7 @@ from kit.model import LayerCost, Model, ModelError, costs_from_json, default_sam
 from kit.schedules import schedule
 from kit.trainer_checks import check_training
 
-CACHE_FORMAT = 5  # 4: LayerCost.out_shape; 5: flops_missed, the layers' modules' sources in the key
+CACHE_FORMAT = 6  # 4: LayerCost.out_shape; 5: flops_missed, the layers' modules' sources in the key; 6: LSTM real
 
 
 # ---- FLOPs the counter misses (issue 41) ----------------------------------------------------------------------------
@@ -251,9 +251,16 @@ def _measure_one(layer: nn.Module, xs: dict[str, tuple[torch.Tensor, torch.Tenso
     ReLU's output is already low precision, and the next layer saves it as it is). Returns the cost and the
     outputs by precision (the next layer's inputs)."""
     b = xs["fp32"][0].shape[0]
-    outs, saved, fixed, flops, own, out_saved, missed = {}, {}, {}, 0.0, {}, {}, set()
-    for precision in PRECISIONS:
-        runs = [_run_layer(layer, _as_in_the_model(x), precision) for x in xs[precision]]
+    outs, saved, fixed, flops, own, out_saved, missed, by = {}, {}, {}, 0.0, {}, {}, set(), {}
+    for precision in sorted(PRECISIONS, key=lambda p: p == "fp16"):  # fp16 after bf16 (a real run's takes bf16's)
+        if how == "cpu" and precision == "fp16":
+            # a real CPU run: the CPU's fp16 kernels are not the GPU's (oneDNN's LSTM refuses fp16 on a CPU without
+            # AVX512-FP16, or takes another path that saves a third of bf16's bytes): bf16's figures, the same bytes
+            # an element, its outputs as fp16
+            runs = [(y.to(torch.float16), *rest) for y, *rest in by["bf16"]]
+        else:
+            runs = [_run_layer(layer, _as_in_the_model(x), precision) for x in xs[precision]]
+        by[precision] = runs
         missed |= runs[0][5]
         saved[precision] = max(0.0, (runs[1][1] - runs[0][1]) / b)
         fixed[precision] = max(0.0, runs[0][1] - saved[precision] * b)
@@ -282,6 +289,14 @@ def _as_in_the_model(x: torch.Tensor) -> torch.Tensor:
     return x.detach().requires_grad_(True).clone()
 
 
+# An LSTM on the CPU runs mkldnn_rnn_layer, which keeps a workspace for its backward (the gates of every step: 2.6
+# times the layer's other saved bytes in the zoo's LSTM classifier); its fake-tensor kernel returns that workspace
+# empty (torch/_meta_registrations.py, mkldnn_rnn_layer: `workspace = torch.empty(0, ...)`, torch 2.3 to 2.14), so
+# fake tensors saw 0.39 of the real step's peak (benchmarks/model_zoo.py). A layer holding one is measured for real.
+LSTM_REAL = ("holds an nn.LSTM, whose CPU kernel (mkldnn_rnn_layer) keeps a workspace for the backward that fake "
+             "tensors do not show")
+
+
 def measure(spec: str, sample: str) -> list[LayerCost]:
     """Every layer of --model on --sample, under fake tensors (a layer that refuses them: a real CPU forward on a
     batch of one, that layer alone built for real); the first layer's refusal of the sample is one line."""
@@ -298,12 +313,16 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
         for i, layer in enumerate(layers):
             name = f"{i}: {type(layer).__name__}"
             try:
-                cost, xs = _measure_steps(layer, xs, name) or _measure_one(layer, xs, name, "fake")
+                if any(isinstance(m, nn.LSTM) for m in layer.modules()):
+                    cost, xs = _measure_real(spec, i, name, LSTM_REAL, xs)
+                else:
+                    cost, xs = _measure_steps(layer, xs, name) or _measure_one(layer, xs, name, "fake")
             except ModelError as exc:
                 raise ModelError(f"--model {spec}: layer {name} {exc}") from None
             except Exception as exc:  # data-dependent ops (then a real run measures it), or an input it refuses
                 try:
-                    cost, xs = _measure_real(spec, i, name, exc, xs)
+                    cost, xs = _measure_real(spec, i, name, f"does not run under fake tensors ({first_line(exc)[:200]})",
+                                             xs)
                 except ModelError:
                     if i:
                         raise
@@ -422,7 +441,7 @@ def one_layer_for_real(spec: str, index: int) -> nn.Module:
     return layer
 
 
-def _measure_real(spec: str, index: int, name: str, why: Exception,
+def _measure_real(spec: str, index: int, name: str, why: str,
                   xs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[LayerCost, dict]:
     """The fallback for one layer: that layer alone built for real on the CPU (one_layer_for_real), run on batches
     of one and two; said on stderr."""
@@ -442,8 +461,7 @@ def _measure_real(spec: str, index: int, name: str, why: Exception,
             raise ModelError(f"--model {spec}: layer {name} fails on its input: {type(exc).__name__}: "
                              f"{first_line(exc)[:200]}; fix that layer, or give --sample the batch the model "
                              "takes") from None
-    print(f"own_model: layer {name} does not run under fake tensors ({first_line(why)[:200]}); measured by a real CPU "
-          "forward on batches of one and two", file=sys.stderr)
+    print(f"own_model: layer {name} {why}; measured by a real CPU forward on batches of one and two", file=sys.stderr)
     # the next layers go on under fake tensors, at the sample's batch
     return cost, {p: tuple(torch.empty([x.shape[0], *outs[p][0].shape[1:]], dtype=outs[p][0].dtype) for x in xs[p])
                   for p in xs}
