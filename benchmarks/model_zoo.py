@@ -9,8 +9,11 @@ peak on a real CPU step as the replica trainer runs it (benchmarks/own_model_mem
 
 The models are tests/zoo_families.py's, written for this (GPT-2 and BERT from transformers' configs, random-init; an
 LSTM classifier, a long-context encoder of nn.TransformerEncoderLayer, a ResNet-like and a U-Net-like model), at
-sizes that run in minutes on 2 cores; torchvision's ResNet-18 and ViT-B/16 and timm's ViT-S/16 where they import
-(beside torch 2.14.1 only), else their row says why not.
+sizes that run in minutes on 2 cores; torchvision's ResNet-18 and ViT-B/16 and timm's ViT-S/16 (tests/zoo_vision.py,
+full size, two 224 x 224 images) where they import (beside torch 2.14.1 only), else a line says why not:
+
+    ~/.cache/hybrid-kit/venvs/torch-2.14.1-*/bin/python benchmarks/model_zoo.py --only "torchvision ResNet-18" \\
+        "torchvision ViT-B/16" "timm ViT-S/16"
 """
 from __future__ import annotations
 
@@ -45,8 +48,12 @@ ZOO = {
     "ResNet-like": (f"{FAMILIES}:resnet_like", f"{FAMILIES}:image_sample", [3, 3], 2),
     "U-Net-like": (f"{FAMILIES}:unet_like", f"{FAMILIES}:unet_sample", [2, 1], 2),
 }
-# the families from packages the kit does not depend on: their function, and the package it needs
-PACKAGED = {"torchvision ResNet-18": "torchvision", "torchvision ViT-B/16": "torchvision", "timm ViT-S/16": "timm"}
+# the families from packages the kit does not depend on (tests/zoo_vision.py, beside torch 2.14.1 only): a row where
+# torchvision and timm import, else a line that says why not
+VISION = str(ROOT / "tests" / "zoo_vision.py")
+PACKAGED = {"torchvision ResNet-18": (f"{VISION}:resnet18", f"{VISION}:image_224_pair", [3, 3], 2),
+            "torchvision ViT-B/16": (f"{VISION}:vit_b_16", f"{VISION}:image_224_pair", [7, 7], 2),
+            "timm ViT-S/16": (f"{VISION}:timm_vit_s_16", f"{VISION}:image_224_pair", [7, 7], 2)}
 
 
 def unique_params(layers: list[nn.Module]) -> int:
@@ -86,17 +93,20 @@ def family(name: str) -> list[dict]:
     return [dict(common, **r) for r in parts]
 
 
-def packaged(name: str) -> str:
-    """Why a packaged family has no row here (its package does not import beside this torch)."""
+def packaged() -> str | None:
+    """Why the packaged families have no row here (torchvision or timm does not import beside this torch)."""
     try:
-        __import__(PACKAGED[name])
-    except ImportError as exc:
-        return (f"{name}: skipped, {PACKAGED[name]} does not import here ({exc}); it installs beside torch 2.14.1 "
-                "only (requirements-torch-2.14.1.txt's lane)")
-    return f"{name}: {PACKAGED[name]} imports, but this benchmark has no row for it yet"
+        import timm  # noqa: F401
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError) as exc:  # PyPI's CUDA torchvision beside a CPU torch: a RuntimeError
+        return (f"{', '.join(PACKAGED)}: skipped, torchvision and timm do not import here ({exc}); they install "
+                "beside torch 2.14.1 only (requirements-torch-2.14.1.txt's lane)")
+    ZOO.update(PACKAGED)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
+    why_not = packaged()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", choices=list(ZOO), help="these families only")
     args = p.parse_args(argv)
@@ -113,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("part", "---:", lambda r: r["part"]),
                  ("MemTracker KiB", "---:", lambda r: f"{r['measured'] / 1024:.0f}"),
                  ("estimate / MemTracker", "---:", lambda r: f"{r['ratio']:.3f}")], rows))
-    for name in PACKAGED:
-        print(packaged(name))
+    if why_not:
+        print(why_not)
     lo, hi = min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)
     exact = all(r["params"] == r["torch_params"] for r in rows)
     print(f"\n{len(rows)} parts of {len({r['family'] for r in rows})} families: parameters "

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 COLUMNS = ["replica fairscale", "replica torch-pipe", "engine auto", "stage gpipe", "stage 1f1b",
-           "stage interleaved1f1b", "stage loopedbfs", "checkpoint moves", "checker = trainer plan"]
+           "stage interleaved1f1b", "stage loopedbfs", "stage interleavedzerobubble", "stage zbvzerobubble",
+           "stage dualpipev", "checkpoint moves", "checker = trainer plan"]
 BEGIN = "<!-- compat-table: begin (written by `make compat-table` from make test's lane results; do not edit) -->"
 END = "<!-- compat-table: end -->"
 

@@ -104,7 +104,8 @@ def scontrol(partitions: str = 'echo "PartitionName=gpu_p13 Default=YES MaxTime=
 @pytest.fixture
 def site(tmp_path, monkeypatch):
     """A fake Slurm on PATH (scontrol and sacctmgr: `site(scontrol=..., sacctmgr=...)`), its slurm.conf naming the
-    cluster, a cache of this test's own, the read's deadline 0.5 s, nothing remembered from another test."""
+    cluster, a cache of this test's own, the read's deadline 30 s (the fakes answer at once; under a load of 10 a
+    0.5 s deadline cut a printf once), nothing remembered from another test."""
     bin_dir, conf = tmp_path / "bin", tmp_path / "slurm.conf"
 
     def make(cluster: str = "jz", **bodies: str) -> Path:
@@ -114,7 +115,7 @@ def site(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_CONF", str(conf))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(site_slurm, "READ_SECONDS", 0.5)
+    monkeypatch.setattr(site_slurm, "READ_SECONDS", 30.0)
     monkeypatch.setattr(site_slurm, "_SILENT", type(site_slurm._SILENT)())
     return make
 
@@ -209,12 +210,13 @@ def test_a_pipes_deadline_is_a_total(tmp_path):
 
 
 # ---- class 3: a slow slurmdbd is not 'no accounting' -----------------------------------------------------------------
-def test_a_slow_slurmdbd_is_said_and_the_table_judges(tmp_path, site):
+def test_a_slow_slurmdbd_is_said_and_the_table_judges(tmp_path, site, monkeypatch):
     """The issue's example: slurmdbd configured, sacctmgr slower than the deadline. It was 'no accounting', approved
     a 30 h job on a 20 h QoS and an account that is none of the user's, and cached that read. Now the note says the
     accounting did not answer, the table judges the QoS, account and time (worded as the table's), a warning says
     what was not checked, and nothing is cached."""
     cache = site(sacctmgr="sleep 5; " + SACCTMGR)
+    monkeypatch.setattr(site_slurm, "READ_SECONDS", 0.5)  # sacctmgr sleeps past it
     code, report, _ = checked(tmp_path, JOB.format(options="-C v100-32g -A xyz@v100 --qos=qos_gpu-t3 -t 30:00:00"))
     note = site_note(report)
     assert "accounting (slurmdbd) was slow or failed" in note and "did not answer within 0.5 s" in note, note

@@ -245,10 +245,14 @@ def test_the_lanes_collect_every_file_that_holds_their_tests():
     file where pytest finds a `core` or `legacy` test, or a lane would silently run fewer."""
     named = subprocess.run(["make", "-s", "lane-files"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert named.returncode == 0, named.stderr
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                "-m", "core or legacy", "tests"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p",
+                                "no:cacheprovider", "-m", "core or legacy", "tests"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
     files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
+    # a file skipped whole here (tests/test_zoo_vision.py: its packages import in the 2.14.1 lane only) shows no
+    # test to collect; its markers are then read from its text
+    skipped = set(re.findall(r"^SKIPPED \[\d+\] (tests/test_\w+\.py):\d+: ", collected.stdout, re.M))
+    files |= {f for f in skipped if re.search(r"mark\.(core|legacy)", (ROOT / f).read_text())}
     assert files and files == set(named.stdout.split()), (sorted(files), named.stdout)
 
 

@@ -128,8 +128,9 @@ def test_check_args_refuses_what_the_schedule_refuses(tmp_path, argv, needle):
         assert r.returncode == 0 and "would start" in r.stdout, r.stderr
 
 
+@pytest.mark.core
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ZB)
+@pytest.mark.parametrize("name", [pytest.param(s, marks=pytest.mark.compat(f"stage {s}")) for s in ZB])
 def test_zero_bubble_gradients_equal_the_plain_model(tmp_path, name):
     """2 pipelines x pp 2 (4 tasks), one step: every stage's gradients equal the plain model's (so GPipe's, which
     tests/test_stage.py holds to the same), the loss too: the kit's all-reduce over the replicas stands for DDP."""

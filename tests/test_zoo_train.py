@@ -30,10 +30,10 @@ def stage_run(tmp_path, args: list[str]) -> list[subprocess.CompletedProcess]:
                  script="bench_stage.py", timeout=180)
 
 
-def check_stage_job(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
+def check_stage_job(tmp_path, args: list[str], zoo: str = ZOO) -> subprocess.CompletedProcess:
     """The checker on a job script (in a user's copy of the kit and of the zoo) whose trainer line is bench_stage.py
     --pp 2 with `args`."""
-    copy_kit(tmp_path, extra=(ZOO,))
+    copy_kit(tmp_path, extra=(zoo,))
     (tmp_path / "job.slurm").write_text(
         "#!/bin/bash\n#SBATCH -N 1 --ntasks-per-node=2 --gres=gpu:2 -c 10 --hint=nomultithread -t 1:00:00\n"
         f"module load pytorch-gpu/py3/{'.'.join(map(str, TORCH))}.0\nsrun python bench_stage.py {' '.join(args)} "
