@@ -52,12 +52,18 @@ def test_the_family_trains_in_the_stage_layout(tmp_path, name):
     if kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(layout="stage", schedule="gpipe"),
                                    cpu=True):
         pytest.skip("this torch has no stage layout on the CPU")
-    runs = bench([*line(name), "--pp", "2", "--schedule", "gpipe", "--cache-dir", str(tmp_path)], ntasks=2,
+    spec, sample, *rest = FAMILIES[name]
+    stage_run_is_the_checkers_plan(tmp_path, line(name), ["--model", spec, "--sample", sample, *rest], ZOO)
+
+
+def stage_run_is_the_checkers_plan(tmp_path, argv: list[str], model_args: list[str], zoo: str) -> None:
+    """bench_stage.py --pp 2 (gpipe) on 2 tasks with `argv` trains 2 steps; the checker approves a job script's line
+    with `model_args` (in a user's copy of the kit and `zoo`), and its split is the one the trainer printed."""
+    runs = bench([*argv, "--pp", "2", "--schedule", "gpipe", "--cache-dir", str(tmp_path)], ntasks=2,
                  script="bench_stage.py", timeout=240)
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
     assert "epoch   1 | steps     2" in runs[0].stdout, runs[0].stdout
-    spec, sample, *rest = FAMILIES[name]
-    check = check_stage_job(tmp_path / "copy", ["--model", spec, "--sample", sample, *rest])
+    check = check_stage_job(tmp_path / "copy", model_args, zoo=zoo)
     assert check.returncode == 0, check.stdout + check.stderr
     [note] = [x.strip()[len("note: "):] for x in check.stdout.splitlines() if x.strip().startswith("note: --model")]
     assert note.split("; memory estimate")[0] == split_line(runs[0].stdout), check.stdout

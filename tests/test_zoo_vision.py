@@ -16,8 +16,7 @@ import kit.arguments  # noqa: E402
 import kit.own_model as own  # noqa: E402
 import kit.releases  # noqa: E402
 from launch import bench  # noqa: E402
-from test_zoo_families import split_line  # noqa: E402
-from test_zoo_train import check_stage_job  # noqa: E402
+from test_zoo_families import stage_run_is_the_checkers_plan  # noqa: E402
 
 pytestmark = pytest.mark.core
 
@@ -63,12 +62,5 @@ def test_the_narrow_twin_trains_in_the_stage_layout_as_the_checker_plans_it(tmp_
     if kit.releases.torch_refusals(torch.__version__, kit.arguments.Training(layout="stage", schedule="gpipe"),
                                    cpu=True):
         pytest.skip("this torch has no stage layout on the CPU")
-    runs = bench([*line(name), "--pp", "2", "--schedule", "gpipe", "--cache-dir", str(tmp_path)], ntasks=2,
-                 script="bench_stage.py", timeout=240)
-    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
-    assert "epoch   1 | steps     2" in runs[0].stdout, runs[0].stdout
-    check = check_stage_job(tmp_path / "copy", ["--model", f"{VISION}:{NARROW[name]}", "--sample",
-                                                f"{VISION}:image_32"], zoo=VISION)
-    assert check.returncode == 0, check.stdout + check.stderr
-    [note] = [x.strip()[len("note: "):] for x in check.stdout.splitlines() if x.strip().startswith("note: --model")]
-    assert note.split("; memory estimate")[0] == split_line(runs[0].stdout), check.stdout
+    stage_run_is_the_checkers_plan(tmp_path, line(name), ["--model", f"{VISION}:{NARROW[name]}", "--sample",
+                                                          f"{VISION}:image_32"], VISION)
