@@ -312,11 +312,12 @@ def measure(spec: str, sample: str) -> list[LayerCost]:
                                              for k in (1, 2)))
         for i, layer in enumerate(layers):
             name = f"{i}: {type(layer).__name__}"
+            if any(isinstance(m, nn.LSTM) for m in layer.modules()):  # its ModelError names the layer already
+                cost, xs = _measure_real(spec, i, name, LSTM_REAL, xs)
+                costs.append(cost)
+                continue
             try:
-                if any(isinstance(m, nn.LSTM) for m in layer.modules()):
-                    cost, xs = _measure_real(spec, i, name, LSTM_REAL, xs)
-                else:
-                    cost, xs = _measure_steps(layer, xs, name) or _measure_one(layer, xs, name, "fake")
+                cost, xs = _measure_steps(layer, xs, name) or _measure_one(layer, xs, name, "fake")
             except ModelError as exc:
                 raise ModelError(f"--model {spec}: layer {name} {exc}") from None
             except Exception as exc:  # data-dependent ops (then a real run measures it), or an input it refuses
